@@ -1,0 +1,132 @@
+"""``omni-cpu-fastpath``: the command line.
+
+Arguments are declared here; each command's work lives in the module that owns the capability
+and is imported only when that command runs (``flags`` and ``stats`` never import torch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_flags(args: argparse.Namespace) -> int:
+    from . import envs
+
+    rows = envs.table()
+    if args.json:
+        print(json.dumps(rows, indent=1, default=str))
+        return 0
+    width = max(len(r["name"]) for r in rows)
+    for r in rows:
+        print(f"{r['name']:<{width}}  value={r['value']!s:<8} default={r['default']!s:<6} {r['doc']}")
+        print(f"{'':<{width}}  accepted: {r['accepted']}")
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from . import step_stats
+
+    summary = step_stats.summarize_dir(args.dir)
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(step_stats.format_table(summary))
+    return 0
+
+
+def _lazy(module: str, func: str):
+    def run(args: argparse.Namespace) -> int:
+        return getattr(importlib.import_module(f"omni_cpu_fastpath.{module}"), func)(args)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-cpu-fastpath", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("flags", help="print every VLLM_OMNI_* flag with its current value")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=_cmd_flags)
+
+    s = sub.add_parser("stats", help="summarize a VLLM_OMNI_STEP_STATS_DIR folder")
+    s.add_argument("dir")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=_cmd_stats)
+
+    s = sub.add_parser("make-model", help="write a random Qwen3-TTS checkpoint in the released layout")
+    s.add_argument("dir")
+    s.add_argument("--dims", choices=("tiny", "0.6b", "1.7b"), default="tiny")
+    s.add_argument("--kind", choices=("custom-voice", "base", "voice-design"), default="custom-voice")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--outliers", action="store_true", help="outlier hidden channels and peaked heads")
+    s.set_defaults(run=_lazy("checkpoint", "cli_make_model"))
+
+    s = sub.add_parser("reference", help="greedy codes and teacher-forced logits of the qwen-tts reference")
+    s.add_argument("model")
+    s.add_argument("out", help=".pt file to write")
+    s.add_argument("--frames", type=int, default=4)
+    s.add_argument("--batch", type=int, default=1)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(run=_lazy("reference", "cli_reference"))
+
+    s = sub.add_parser("parity", help="int8 variants against fp32, teacher-forced")
+    s.add_argument("model")
+    s.add_argument("--frames", type=int, default=64)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=_lazy("quant", "cli_parity"))
+
+    s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve")
+    bench = s.add_subparsers(dest="what", required=True)
+    b = bench.add_parser("predictor", help="ms per frame of the code predictor, against the floor")
+    b.add_argument("--dims", choices=("tiny", "0.6b", "1.7b"), default="0.6b")
+    b.add_argument("--dtypes", default="fp32,bf16")
+    b.add_argument("--batches", default="1,8")
+    b.add_argument("--impls", default="stock,cached-eager,cached-compiled")
+    b.add_argument("--int8", default="", help="comma-separated int8 variants to add")
+    b.add_argument("--frames", type=int, default=8)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_lazy("bench.predictor", "cli"))
+    b = bench.add_parser("sampler", help="ms per step of vLLM's Sampler and CpuSampler")
+    b.add_argument("--vocab", type=int, default=3072)
+    b.add_argument("--batches", default="1,8")
+    b.add_argument("--steps", type=int, default=200)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_lazy("bench.sampler", "cli"))
+    b = bench.add_parser("serve", help="real-time factor and time to first audio of the served model")
+    b.add_argument("--dims", choices=("tiny", "0.6b"), default="tiny")
+    b.add_argument("--requests", type=int, default=3)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_lazy("bench.serve", "cli"))
+
+    s = sub.add_parser("serve", help="vllm serve MODEL --omni with CPU-friendly defaults")
+    s.add_argument("model")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER)
+    s.set_defaults(run=_lazy("serving", "cli_serve"))
+
+    s = sub.add_parser("demo", help="write the tiny model, serve it, synthesize a sentence")
+    s.add_argument("--workdir", default=".demo")
+    s.add_argument("--text", default="Hello from a CPU. This sentence was synthesized without a GPU.")
+    s.add_argument("--port", type=int, default=0)
+    s.set_defaults(run=_lazy("serving", "cli_demo"))
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .envs import FlagError
+    from .step_stats import StepStatsError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (FlagError, StepStatsError) as exc:
+        print(f"omni-cpu-fastpath: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

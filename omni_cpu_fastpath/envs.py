@@ -1,0 +1,228 @@
+"""Every ``VLLM_OMNI_*`` environment variable this library reads, in one table.
+
+Modelled on ``vllm/envs.py``: each flag has a type, a default, its accepted values and a one-line
+doc. Values are parsed on every read (no caching), so a test or a launcher can change the
+environment and see the effect. A bad value raises :class:`FlagError` naming the variable, the
+value given and the accepted values; nothing is silently ignored.
+
+``env.example`` at the repository root lists the same flags; ``tests/test_envs.py`` fails when the
+two disagree.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+class FlagError(ValueError):
+    """A ``VLLM_OMNI_*`` variable holds a value the library does not accept."""
+
+
+@dataclass(frozen=True)
+class Flag:
+    name: str
+    type: str  # "bool", "auto-bool", "choice", "int", "path"
+    default: str | None  # the raw default, as it would be written in the environment
+    doc: str
+    choices: tuple[str, ...] = ()
+    accepted: str = ""  # human description of accepted values (derived when empty)
+
+    def accepted_values(self) -> str:
+        if self.accepted:
+            return self.accepted
+        if self.type == "bool":
+            return "|".join(_TRUE + _FALSE)
+        if self.type == "auto-bool":
+            return "auto|" + "|".join(_TRUE + _FALSE)
+        if self.type == "choice":
+            return "|".join(self.choices)
+        if self.type == "int":
+            return "an integer >= 0"
+        return "a directory path (empty: off)"
+
+    def error(self, raw: str) -> FlagError:
+        return FlagError(f"{self.name}={raw!r} is not valid; accepted values: {self.accepted_values()}")
+
+
+# Names of the int8 predictor variants; ``omni_cpu_fastpath.quant`` implements each one.
+INT8_VARIANTS = ("off", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel")
+
+FLAGS: dict[str, Flag] = {
+    f.name: f
+    for f in (
+        Flag(
+            "VLLM_OMNI_CPU_FASTPATH",
+            "auto-bool",
+            "auto",
+            "Master switch: serve Qwen3-TTS with FastQwen3TTSTalker (auto: on when no accelerator).",
+        ),
+        Flag(
+            "VLLM_OMNI_CPU_PLATFORM",
+            "auto-bool",
+            "auto",
+            "Register the CPU omni platform (auto: only when no accelerator is present; 0 forces it off).",
+        ),
+        Flag(
+            "VLLM_OMNI_PREDICTOR_INCREMENTAL",
+            "auto-bool",
+            "auto",
+            "KV-cached code predictor instead of 15 re-prefills per frame (auto: on on CPU).",
+        ),
+        Flag(
+            "VLLM_OMNI_PREDICTOR_COMPILE",
+            "choice",
+            "off",
+            "off: eager predictor step; step: torch.compile one static sub-step, warmed at load.",
+            choices=("off", "step"),
+        ),
+        Flag(
+            "VLLM_OMNI_PREDICTOR_INT8",
+            "choice",
+            "off",
+            "int8 scheme for the predictor layers (see README's int8 table).",
+            choices=INT8_VARIANTS,
+        ),
+        Flag(
+            "VLLM_OMNI_PREDICTOR_THREADS",
+            "int",
+            "0",
+            "Cap on torch threads inside the predictor, restored after each call (0: no cap).",
+        ),
+        Flag(
+            "VLLM_OMNI_PREDICTOR_PARITY_CHECK",
+            "bool",
+            "0",
+            "Also run the higher-precision predictor, teacher-forced, and record parity in step_stats.",
+        ),
+        Flag(
+            "VLLM_OMNI_CPU_FAST_SAMPLER",
+            "auto-bool",
+            "auto",
+            "Sample the talker's first codebook with the compile-free CpuSampler (auto: on on CPU).",
+        ),
+        Flag(
+            "VLLM_OMNI_STEP_STATS_DIR",
+            "path",
+            "",
+            "Folder for per-step timers: <pid>.jsonl per process and <pid>.summary.json at exit.",
+        ),
+        Flag(
+            "VLLM_OMNI_STEP_STATS_SYNC",
+            "bool",
+            "0",
+            "Synchronize the accelerator, when there is one, around the model timers.",
+        ),
+    )
+}
+
+
+@functools.cache
+def has_accelerator() -> bool:
+    """True when torch sees a GPU/XPU/NPU; the "auto" defaults key off this."""
+    import torch
+
+    if torch.cuda.is_available():
+        return True
+    xpu = getattr(torch, "xpu", None)
+    if xpu is not None and xpu.is_available():
+        return True
+    npu = getattr(torch, "npu", None)
+    return bool(npu is not None and npu.is_available())
+
+
+def raw(name: str) -> str:
+    """The raw string of a flag: the environment's value, else its default."""
+    flag = _flag(name)
+    value = os.environ.get(name)
+    return flag.default or "" if value is None else value
+
+
+def _flag(name: str) -> Flag:
+    try:
+        return FLAGS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not a flag of omni_cpu_fastpath (see omni_cpu_fastpath/envs.py)") from None
+
+
+def _parse_bool(flag: Flag, value: str) -> bool:
+    v = value.strip().lower()
+    if v in _TRUE:
+        return True
+    if v in _FALSE:
+        return False
+    raise flag.error(value)
+
+
+def _parse(flag: Flag, value: str) -> Any:
+    if flag.type == "bool":
+        return _parse_bool(flag, value)
+    if flag.type == "auto-bool":
+        if value.strip().lower() == "auto":
+            return not has_accelerator()
+        return _parse_bool(flag, value)
+    if flag.type == "choice":
+        v = value.strip().lower()
+        if v not in flag.choices:
+            raise flag.error(value)
+        return v
+    if flag.type == "int":
+        try:
+            n = int(value.strip())
+        except ValueError:
+            raise flag.error(value) from None
+        if n < 0:
+            raise flag.error(value)
+        return n
+    if flag.type == "path":
+        return value.strip() or None
+    raise AssertionError(f"unknown flag type {flag.type}")
+
+
+def get(name: str) -> Any:
+    """The parsed value of flag ``name`` (raises FlagError on a bad value)."""
+    flag = _flag(name)
+    return _parse(flag, raw(name))
+
+
+def validate_all() -> None:
+    """Parse every flag once, so a bad value fails at start-up rather than mid-serving."""
+    for name in FLAGS:
+        get(name)
+
+
+def table() -> list[dict[str, Any]]:
+    """The flag table with current values, as ``omni-cpu-fastpath flags --json`` prints it."""
+    rows = []
+    for flag in FLAGS.values():
+        try:
+            value: Any = get(flag.name)
+        except FlagError as exc:
+            value = f"<invalid: {exc}>"
+        rows.append(
+            {
+                "name": flag.name,
+                "type": flag.type,
+                "default": flag.default,
+                "value": value,
+                "accepted": flag.accepted_values(),
+                "doc": flag.doc,
+            }
+        )
+    return rows
+
+
+def __getattr__(name: str) -> Any:
+    # ``envs.<FLAG NAME>`` reads the current value, as in vllm.envs.
+    if name in FLAGS:
+        return get(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + list(FLAGS))

@@ -1,0 +1,262 @@
+"""Per-step timers and counters, written where ``VLLM_OMNI_STEP_STATS_DIR`` points.
+
+Usage::
+
+    from omni_cpu_fastpath import step_stats
+
+    with step_stats.timer("model.forward_ms", sync=True):
+        ...
+
+    @step_stats.timed("model.sample_ms")
+    def sample(...): ...
+
+    step_stats.record("predictor.parity_top1", 0.97)   # any number
+    step_stats.end_step()                              # one JSON line for this step
+
+Off (the variable unset or empty) every entry point returns after one check of a module global, so
+the hot path pays a function call and nothing else (``benchmarks/test_step_stats_overhead.py``).
+On, each process appends one JSON line per step to ``<dir>/<pid>.jsonl``
+(``{"pid", "step", "ts", "values": {name: [v, ...]}}``) and writes ``<dir>/<pid>.summary.json``
+(count, mean, p50, p90, max per counter) at exit. The folder is checked when stats are first
+configured, so an unwritable folder fails at start-up, not in the middle of serving.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import time
+from array import array
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, TypeVar
+
+from . import envs
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# Named timers of the library, for reference (any name may be recorded).
+MODEL_FORWARD = "model.forward_ms"
+MODEL_SAMPLE = "model.sample_ms"
+MODEL_TALKER_MTP = "model.talker_mtp_ms"
+PREDICTOR_SUBSTEP = "predictor.substep_ms"
+PREDICTOR_LOOP = "predictor.loop_ms"
+
+
+class StepStatsError(RuntimeError):
+    """The stats folder cannot be used."""
+
+
+class _Recorder:
+    def __init__(self, directory: Path, sync: bool) -> None:
+        self.directory = directory
+        self.sync = sync
+        self.pid = os.getpid()
+        self.step = 0
+        self.pending: dict[str, list[float]] = {}
+        self.all: dict[str, array] = {}
+        directory = directory.expanduser()
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            self.lines_path = directory / f"{self.pid}.jsonl"
+            self._fh = open(self.lines_path, "a", buffering=1)  # noqa: SIM115 - closed at exit
+        except OSError as exc:
+            raise StepStatsError(
+                f"VLLM_OMNI_STEP_STATS_DIR={str(directory)!r} is not a writable folder: {exc}"
+            ) from exc
+
+    def add(self, name: str, value: float) -> None:
+        self.pending.setdefault(name, []).append(value)
+        self.all.setdefault(name, array("d")).append(value)
+
+    def end_step(self) -> None:
+        if not self.pending:
+            return
+        line = {"pid": self.pid, "step": self.step, "ts": time.time(), "values": self.pending}
+        self._fh.write(json.dumps(line) + "\n")
+        self.pending = {}
+        self.step += 1
+
+    def close(self) -> None:
+        self.end_step()
+        summary = {name: summarize(values) for name, values in self.all.items()}
+        (self.directory / f"{self.pid}.summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        self._fh.close()
+
+
+_recorder: _Recorder | None = None
+_configured = False
+
+
+def configure(directory: str | os.PathLike[str] | None = None, sync: bool | None = None) -> bool:
+    """Start (or stop, with no folder) recording. Reads the flags when arguments are None.
+
+    Returns whether stats are on. Raises StepStatsError for an unwritable folder.
+    """
+    global _recorder, _configured
+    if directory is None:
+        directory = envs.get("VLLM_OMNI_STEP_STATS_DIR")
+    if sync is None:
+        sync = envs.get("VLLM_OMNI_STEP_STATS_SYNC")
+    if _recorder is not None:
+        _recorder.close()
+        atexit.unregister(_recorder.close)
+        _recorder = None
+    if directory:
+        _recorder = _Recorder(Path(directory), bool(sync))
+        atexit.register(_recorder.close)
+    _configured = True
+    return _recorder is not None
+
+
+def _active() -> _Recorder | None:
+    if not _configured:
+        configure()
+    return _recorder
+
+
+def enabled() -> bool:
+    return _active() is not None
+
+
+def record(name: str, value: float) -> None:
+    """Record one value of counter ``name`` for the current step."""
+    rec = _recorder if _configured else _active()
+    if rec is not None:
+        rec.add(name, float(value))
+
+
+def end_step() -> None:
+    """Close the current step: its values become one JSON line."""
+    rec = _recorder if _configured else _active()
+    if rec is not None:
+        rec.end_step()
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class _Timer(AbstractContextManager):
+    __slots__ = ("name", "sync", "rec", "t0")
+
+    def __init__(self, name: str, sync: bool, rec: _Recorder) -> None:
+        self.name = name
+        self.sync = sync and rec.sync
+        self.rec = rec
+
+    def __enter__(self) -> _Timer:
+        if self.sync:
+            _synchronize()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sync:
+            _synchronize()
+        self.rec.add(self.name, (time.perf_counter() - self.t0) * 1e3)
+
+
+class _NullTimer(AbstractContextManager):
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NULL = _NullTimer()
+
+
+def timer(name: str, sync: bool = False) -> AbstractContextManager:
+    """A context manager timing its body into ``name`` (milliseconds).
+
+    ``sync=True`` marks a model timer: with VLLM_OMNI_STEP_STATS_SYNC=1 the accelerator is
+    synchronized on entry and exit so the time covers the device work.
+    """
+    rec = _recorder if _configured else _active()
+    if rec is None:
+        return _NULL
+    return _Timer(name, sync, rec)
+
+
+def timed(name: str, sync: bool = False) -> Callable[[F], F]:
+    """Decorator form of :func:`timer`; the on/off check happens per call."""
+
+    def wrap(fn: F) -> F:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            rec = _recorder if _configured else _active()
+            if rec is None:
+                return fn(*args, **kwargs)
+            with _Timer(name, sync, rec):
+                return fn(*args, **kwargs)
+
+        return inner  # type: ignore[return-value]
+
+    return wrap
+
+
+def _quantile(sorted_values: list[float], q: float) -> float:
+    # Linear interpolation between closest ranks (numpy's default).
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def summarize(values: Iterable[float]) -> dict[str, float]:
+    """count, mean, p50, p90, max of a counter's values."""
+    v = sorted(values)
+    if not v:
+        return {
+            "count": 0,
+            "mean": float("nan"),
+            "p50": float("nan"),
+            "p90": float("nan"),
+            "max": float("nan"),
+        }
+    return {
+        "count": len(v),
+        "mean": sum(v) / len(v),
+        "p50": _quantile(v, 0.5),
+        "p90": _quantile(v, 0.9),
+        "max": v[-1],
+    }
+
+
+def summarize_dir(directory: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
+    """Summary of every ``*.jsonl`` in a stats folder (all processes pooled), keyed by counter."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise StepStatsError(f"{str(path)!r} is not a folder of step stats")
+    files = sorted(path.glob("*.jsonl"))
+    if not files:
+        raise StepStatsError(f"{str(path)!r} holds no step-stats files (*.jsonl)")
+    pooled: dict[str, list[float]] = {}
+    for file in files:
+        with open(file) as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    values = json.loads(line)["values"]
+                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    raise StepStatsError(f"{file}:{lineno}: not a step-stats line ({exc})") from exc
+                for name, vals in values.items():
+                    pooled.setdefault(name, []).extend(vals)
+    return {name: summarize(vals) for name, vals in sorted(pooled.items())}
+
+
+def format_table(summary: dict[str, dict[str, float]]) -> str:
+    header = f"{'counter':<34} {'count':>8} {'mean':>10} {'p50':>10} {'p90':>10} {'max':>10}"
+    rows = [header, "-" * len(header)]
+    for name, s in summary.items():
+        cells = " ".join(f"{s[k]:>10.3f}" for k in ("mean", "p50", "p90", "max"))
+        rows.append(f"{name:<34} {s['count']:>8d} {cells}")
+    return "\n".join(rows)

