@@ -60,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("make-model", help="write a random Qwen3-TTS checkpoint in the released layout")
     s.add_argument("dir")
-    s.add_argument("--dims", choices=("tiny", "0.6b", "1.7b"), default="tiny")
+    s.add_argument("--dims", choices=("tiny", "tiny-proj", "0.6b", "1.7b"), default="tiny")
     s.add_argument("--kind", choices=("custom-voice", "base", "voice-design"), default="custom-voice")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--outliers", action="store_true", help="outlier hidden channels and peaked heads")
+    s.add_argument("--parts", choices=("all", "predictor"), default="all", help="predictor: only its weights")
     s.set_defaults(run=_lazy("checkpoint", "cli_make_model"))
 
     s = sub.add_parser("reference", help="greedy codes and teacher-forced logits of the qwen-tts reference")
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--workdir", default=".demo")
     s.add_argument("--text", default="Hello from a CPU. This sentence was synthesized without a GPU.")
     s.add_argument("--port", type=int, default=0)
+    s.add_argument("--max-frames", type=int, default=64, help="cap on talker frames (80 ms each)")
     s.set_defaults(run=_lazy("serving", "cli_demo"))
     return p
 

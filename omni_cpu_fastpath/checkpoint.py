@@ -1,0 +1,770 @@
+"""Random Qwen3-TTS checkpoints in the released on-disk layout (no download needed).
+
+``make_model(out_dir, dims, kind, seed, outliers)`` writes::
+
+    out_dir/config.json                 model_type qwen3_tts, talker_config + code_predictor_config
+    out_dir/model.safetensors           talker.* (and speaker_encoder.* for kind="base")
+    out_dir/generation_config.json      the released sampling defaults
+    out_dir/tokenizer.json + tokenizer_config.json
+                                        a byte-level BPE text tokenizer (256 byte tokens, no merges)
+                                        whose special tokens keep the released Qwen ids
+                                        (<|im_start|> 151644 ...), so prompts tokenize as upstream
+    out_dir/speech_tokenizer/{config.json, preprocessor_config.json, model.safetensors}
+                                        a small 12 Hz codec (Mimi encoder + Qwen3-TTS decoder) that
+                                        keeps the real 1920-sample frame and 16 quantizers
+
+Weight names are the official ones (what vllm-omni's ``Qwen3TTSTalkerForConditionalGeneration
+.load_weights`` maps and qwen-tts's ``Qwen3TTSForConditionalGeneration`` declares):
+``talker.model.{codec_embedding,text_embedding,layers.N.*,norm}``, ``talker.text_projection
+.linear_fc{1,2}``, ``talker.codec_head``, ``talker.code_predictor.model.{codec_embedding.K,layers.N.*,
+norm}``, ``talker.code_predictor.lm_head.K`` and, when the talker is wider than the predictor,
+``talker.code_predictor.small_to_mtp_projection``. Each tensor is drawn from its own generator seeded
+by (seed, name), so a tensor does not depend on which other tensors are written: the predictor of a
+``parts="predictor"`` checkpoint equals the predictor of the full one.
+
+Dims: ``tiny`` (talker 64 wide / 2 layers, predictor 64 wide / 2 layers, real vocabularies and
+ids), ``tiny-proj`` (talker 96 wide, so the 1.7B-style projection exists), ``0.6b`` and ``1.7b``
+(released dimensions). ``omni_cpu_fastpath.json`` records the arguments and the outlier channels.
+Building tiny takes ~1 s plus the vllm-omni import (~10 s) that the codec weights need;
+``parts="predictor"`` (no codec) needs no vllm-omni: 0.6B predictor-only ~5 s, full 0.6B ~1 min.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+DIMS = ("tiny", "tiny-proj", "0.6b", "1.7b")
+KINDS = ("custom-voice", "base", "voice-design")
+PARTS = ("all", "predictor")
+_KIND_TO_TTS_TYPE = {"custom-voice": "custom_voice", "base": "base", "voice-design": "voice_design"}
+
+# Released ids (Qwen3-TTS-12Hz-*-CustomVoice config.json).
+CODEC_PAD, CODEC_BOS, CODEC_EOS = 2148, 2149, 2150
+SPEAKERS = {
+    "serena": 3066,
+    "vivian": 3065,
+    "uncle_fu": 3010,
+    "ryan": 3061,
+    "aiden": 2861,
+    "ono_anna": 2873,
+    "sohee": 2864,
+    "eric": 2875,
+    "dylan": 2878,
+}
+SPEAKER_DIALECT: dict[str, Any] = {
+    "serena": False,
+    "vivian": False,
+    "uncle_fu": False,
+    "ryan": False,
+    "aiden": False,
+    "ono_anna": False,
+    "sohee": False,
+    "eric": "sichuan_dialect",
+    "dylan": "beijing_dialect",
+}
+LANGUAGES = {
+    "chinese": 2055,
+    "english": 2050,
+    "german": 2053,
+    "italian": 2070,
+    "portuguese": 2071,
+    "spanish": 2054,
+    "japanese": 2058,
+    "korean": 2064,
+    "french": 2061,
+    "russian": 2069,
+    "beijing_dialect": 2074,
+    "sichuan_dialect": 2062,
+}
+TEXT_SPECIAL_TOKENS = {
+    "<|endoftext|>": 151643,
+    "<|im_start|>": 151644,
+    "<|im_end|>": 151645,
+    "<tts_pad>": 151671,
+    "<tts_text_bos>": 151672,
+    "<tts_text_eod>": 151673,
+}
+TEXT_VOCAB = 151936
+
+# Outlier recipe (outliers=True): how many hidden channels, and the scales applied.
+OUTLIER_CHANNELS = 4
+OUTLIER_NORM_SCALE = 30.0  # RMSNorm weight entries of those channels, every predictor layer
+OUTLIER_EMBED_SCALE = 10.0  # the same columns of the codec embeddings feeding the predictor
+PEAKED_HEAD_LOGIT_STD = 4.0  # codebook-head rows scaled so logits have ~this std (top-1 p ~ 0.3-0.6)
+
+
+@dataclass(frozen=True)
+class Dims:
+    talker_hidden: int
+    talker_layers: int
+    talker_heads: int
+    talker_kv_heads: int
+    talker_head_dim: int
+    talker_mlp: int
+    text_hidden: int
+    mrope_section: tuple[int, int, int]
+    cp_hidden: int
+    cp_layers: int
+    cp_heads: int
+    cp_kv_heads: int
+    cp_head_dim: int
+    cp_mlp: int
+    size_tag: str  # tts_model_size
+    dtype: str  # storage dtype of the safetensors
+    tiny_codec: bool
+    speaker_channels: tuple[int, ...]
+
+
+# fmt: off
+# talker: hidden layers heads kv head_dim mlp text_hidden mrope; predictor: hidden layers heads kv hd mlp
+_DIMS: dict[str, Dims] = {
+    "tiny": Dims(64, 2, 4, 2, 16, 128, 32, (4, 2, 2), 64, 2, 4, 2, 16, 128,
+                 "0b6", "float32", True, (32, 32, 32, 32, 96)),
+    "tiny-proj": Dims(96, 2, 4, 2, 24, 192, 32, (6, 3, 3), 64, 2, 4, 2, 16, 128,
+                      "1b7", "float32", True, (32, 32, 32, 32, 96)),
+    "0.6b": Dims(1024, 28, 16, 8, 128, 3072, 2048, (24, 20, 20), 1024, 5, 16, 8, 128, 3072,
+                 "0b6", "bfloat16", False, (512, 512, 512, 512, 1536)),
+    "1.7b": Dims(2048, 28, 16, 8, 128, 6144, 2048, (24, 20, 20), 1024, 5, 16, 8, 128, 3072,
+                 "1b7", "bfloat16", False, (512, 512, 512, 512, 1536)),
+}
+# fmt: on
+NUM_CODE_GROUPS = 16
+CODEBOOK_VOCAB = 2048
+TALKER_VOCAB = 3072
+LAYER0_EMBEDDING = "talker.model.codec_embedding.weight"
+
+
+class CheckpointError(ValueError):
+    """Bad arguments to :func:`make_model`."""
+
+
+def dims_of(dims: str) -> Dims:
+    if dims not in _DIMS:
+        raise CheckpointError(f"dims={dims!r} is not valid; accepted values: {', '.join(DIMS)}")
+    return _DIMS[dims]
+
+
+# --------------------------------------------------------------------------------------------
+# config.json
+# --------------------------------------------------------------------------------------------
+
+
+def build_config(dims: str = "tiny", kind: str = "custom-voice") -> dict[str, Any]:
+    """The top-level ``config.json`` of a checkpoint, keys as in the released files."""
+    d = dims_of(dims)
+    if kind not in KINDS:
+        raise CheckpointError(f"kind={kind!r} is not valid; accepted values: {', '.join(KINDS)}")
+    custom = kind == "custom-voice"
+    code_predictor_config = {
+        "model_type": "qwen3_tts_talker_code_predictor",
+        "vocab_size": CODEBOOK_VOCAB,
+        "hidden_size": d.cp_hidden,
+        "intermediate_size": d.cp_mlp,
+        "num_hidden_layers": d.cp_layers,
+        "num_attention_heads": d.cp_heads,
+        "num_key_value_heads": d.cp_kv_heads,
+        "head_dim": d.cp_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 65536,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": 28,
+        "layer_types": ["full_attention"] * d.cp_layers,
+        "attention_dropout": 0.0,
+        "num_code_groups": NUM_CODE_GROUPS,
+    }
+    talker_config = {
+        "model_type": "qwen3_tts_talker",
+        "code_predictor_config": code_predictor_config,
+        "vocab_size": TALKER_VOCAB,
+        "hidden_size": d.talker_hidden,
+        "intermediate_size": d.talker_mlp,
+        "num_hidden_layers": d.talker_layers,
+        "num_attention_heads": d.talker_heads,
+        "num_key_value_heads": d.talker_kv_heads,
+        "head_dim": d.talker_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "initializer_range": 0.02,
+        "rms_norm_eps": 1e-6,
+        "use_cache": True,
+        "tie_word_embeddings": False,
+        "rope_theta": 1000000,
+        "rope_scaling": {
+            "interleaved": True,
+            "mrope_section": list(d.mrope_section),
+            "rope_type": "default",
+            "type": "default",
+        },
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "attention_dropout": 0.0,
+        "num_code_groups": NUM_CODE_GROUPS,
+        "text_hidden_size": d.text_hidden,
+        "text_vocab_size": TEXT_VOCAB,
+        "position_id_per_seconds": 13,
+        "codec_eos_token_id": CODEC_EOS,
+        "codec_think_id": 2154,
+        "codec_nothink_id": 2155,
+        "codec_think_bos_id": 2156,
+        "codec_think_eos_id": 2157,
+        "codec_pad_id": CODEC_PAD,
+        "codec_bos_id": CODEC_BOS,
+        "codec_language_id": dict(LANGUAGES),
+        "spk_id": dict(SPEAKERS) if custom else {},
+        "spk_is_dialect": dict(SPEAKER_DIALECT) if custom else {},
+    }
+    speaker_encoder_config = {
+        "mel_dim": 128,
+        "enc_dim": d.talker_hidden,
+        "enc_channels": list(d.speaker_channels),
+        "enc_kernel_sizes": [5, 3, 3, 3, 1],
+        "enc_dilations": [1, 2, 3, 4, 1],
+        "enc_attention_channels": 16 if d.tiny_codec else 128,
+        "enc_res2net_scale": 8,
+        "enc_se_channels": 16 if d.tiny_codec else 128,
+        "sample_rate": 24000,
+    }
+    return {
+        "architectures": ["Qwen3TTSForConditionalGeneration"],
+        "model_type": "qwen3_tts",
+        "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "tts_model_size": d.size_tag,
+        "tts_model_type": _KIND_TO_TTS_TYPE[kind],
+        "im_start_token_id": TEXT_SPECIAL_TOKENS["<|im_start|>"],
+        "im_end_token_id": TEXT_SPECIAL_TOKENS["<|im_end|>"],
+        "tts_pad_token_id": TEXT_SPECIAL_TOKENS["<tts_pad>"],
+        "tts_bos_token_id": TEXT_SPECIAL_TOKENS["<tts_text_bos>"],
+        "tts_eos_token_id": TEXT_SPECIAL_TOKENS["<tts_text_eod>"],
+        "assistant_token_id": 77091,
+        "sample_rate": 24000,
+        "dtype": d.dtype,
+        "torch_dtype": d.dtype,
+        "talker_config": talker_config,
+        "speaker_encoder_config": speaker_encoder_config,
+    }
+
+
+GENERATION_CONFIG = {
+    "do_sample": True,
+    "repetition_penalty": 1.05,
+    "temperature": 0.9,
+    "top_p": 1.0,
+    "top_k": 50,
+    "subtalker_dosample": True,
+    "subtalker_temperature": 0.9,
+    "subtalker_top_p": 1.0,
+    "subtalker_top_k": 50,
+    "max_new_tokens": 8192,
+}
+
+
+def speech_tokenizer_config(dims: str = "tiny") -> dict[str, Any]:
+    """``speech_tokenizer/config.json``: released values for real dims, a narrow codec for tiny.
+
+    The tiny codec keeps everything that fixes the token stream (24 kHz, 1920 samples per frame,
+    16 quantizers of 2048 entries, one semantic quantizer) and shrinks only widths and depths.
+    """
+    d = dims_of(dims)
+    if d.tiny_codec:
+        enc = {"hidden_size": 32, "num_filters": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64, "codebook_dim": 16,
+               "vector_quantization_hidden_dimension": 16, "upsample_groups": 32}  # fmt: skip
+        dec = {"latent_dim": 32, "codebook_dim": 16, "decoder_dim": 32, "hidden_size": 32,
+               "intermediate_size": 64, "head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
+               "num_hidden_layers": 1, "vector_quantization_hidden_dimension": 16}  # fmt: skip
+    else:
+        enc = {"hidden_size": 512, "num_filters": 64, "num_hidden_layers": 8, "num_attention_heads": 8,
+               "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2048, "codebook_dim": 256,
+               "vector_quantization_hidden_dimension": 256, "upsample_groups": 512}  # fmt: skip
+        dec = {"latent_dim": 1024, "codebook_dim": 512, "decoder_dim": 1536, "hidden_size": 512,
+               "intermediate_size": 1024, "head_dim": 64, "num_attention_heads": 16,
+               "num_key_value_heads": 16, "num_hidden_layers": 8,
+               "vector_quantization_hidden_dimension": 512}  # fmt: skip
+    encoder_config = {
+        "model_type": "mimi",
+        "audio_channels": 1,
+        "sampling_rate": 24000,
+        "frame_rate": 12.5,
+        "kernel_size": 7,
+        "residual_kernel_size": 3,
+        "last_kernel_size": 3,
+        "num_residual_layers": 1,
+        "dilation_growth_rate": 2,
+        "compress": 2,
+        "upsampling_ratios": [8, 6, 5, 4],
+        "hidden_act": "gelu",
+        "norm_eps": 1e-5,
+        "layer_scale_initial_scale": 0.01,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 8000,
+        "sliding_window": 250,
+        "num_quantizers": 32 if not d.tiny_codec else 16,
+        "num_semantic_quantizers": 1,
+        "codebook_size": CODEBOOK_VOCAB,
+        "pad_mode": "constant",
+        "use_causal_conv": True,
+        "use_conv_shortcut": False,
+        "trim_right_ratio": 1.0,
+        "use_cache": False,
+        **enc,
+    }
+    decoder_config = {
+        "attention_bias": False,
+        "codebook_size": CODEBOOK_VOCAB,
+        "hidden_act": "silu",
+        "layer_scale_initial_scale": 0.01,
+        "max_position_embeddings": 8000,
+        "num_quantizers": NUM_CODE_GROUPS,
+        "num_semantic_quantizers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000,
+        "semantic_codebook_size": 4096,
+        "sliding_window": 72,
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        "attention_dropout": 0.0,
+        **dec,
+    }
+    return {
+        "architectures": ["Qwen3TTSTokenizerV2Model"],
+        "model_type": "qwen3_tts_tokenizer_12hz",
+        "encoder_valid_num_quantizers": NUM_CODE_GROUPS,
+        "input_sample_rate": 24000,
+        "output_sample_rate": 24000,
+        "decode_upsample_rate": 1920,
+        "encode_downsample_rate": 1920,
+        "encoder_config": encoder_config,
+        "decoder_config": decoder_config,
+    }
+
+
+PREPROCESSOR_CONFIG = {
+    "chunk_length_s": None,
+    "feature_extractor_type": "EncodecFeatureExtractor",
+    "feature_size": 1,
+    "overlap": None,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "return_attention_mask": True,
+    "sampling_rate": 24000,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Weight names and shapes
+# --------------------------------------------------------------------------------------------
+
+
+def _decoder_layer_shapes(
+    prefix: str, hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int
+) -> dict[str, tuple[int, ...]]:
+    return {
+        f"{prefix}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+        f"{prefix}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+        f"{prefix}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+        f"{prefix}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+        f"{prefix}.self_attn.q_norm.weight": (head_dim,),
+        f"{prefix}.self_attn.k_norm.weight": (head_dim,),
+        f"{prefix}.mlp.gate_proj.weight": (mlp, hidden),
+        f"{prefix}.mlp.up_proj.weight": (mlp, hidden),
+        f"{prefix}.mlp.down_proj.weight": (hidden, mlp),
+        f"{prefix}.input_layernorm.weight": (hidden,),
+        f"{prefix}.post_attention_layernorm.weight": (hidden,),
+    }
+
+
+def predictor_weight_shapes(dims: str = "tiny") -> dict[str, tuple[int, ...]]:
+    """Official names (``talker.code_predictor.*``) and shapes of the code predictor."""
+    d = dims_of(dims)
+    p = "talker.code_predictor"
+    shapes: dict[str, tuple[int, ...]] = {}
+    for k in range(NUM_CODE_GROUPS - 1):
+        # Residual-codebook embeddings live in the talker's width (projected afterwards).
+        shapes[f"{p}.model.codec_embedding.{k}.weight"] = (CODEBOOK_VOCAB, d.talker_hidden)
+    for i in range(d.cp_layers):
+        shapes.update(
+            _decoder_layer_shapes(
+                f"{p}.model.layers.{i}", d.cp_hidden, d.cp_heads, d.cp_kv_heads, d.cp_head_dim, d.cp_mlp
+            )
+        )
+    shapes[f"{p}.model.norm.weight"] = (d.cp_hidden,)
+    for k in range(NUM_CODE_GROUPS - 1):
+        shapes[f"{p}.lm_head.{k}.weight"] = (CODEBOOK_VOCAB, d.cp_hidden)
+    if d.talker_hidden != d.cp_hidden:
+        shapes[f"{p}.small_to_mtp_projection.weight"] = (d.cp_hidden, d.talker_hidden)
+        shapes[f"{p}.small_to_mtp_projection.bias"] = (d.cp_hidden,)
+    return shapes
+
+
+def talker_weight_shapes(dims: str = "tiny") -> dict[str, tuple[int, ...]]:
+    """Official names and shapes of everything in ``model.safetensors`` except the speaker encoder."""
+    d = dims_of(dims)
+    shapes: dict[str, tuple[int, ...]] = {
+        "talker.model.codec_embedding.weight": (TALKER_VOCAB, d.talker_hidden),
+        "talker.model.text_embedding.weight": (TEXT_VOCAB, d.text_hidden),
+    }
+    for i in range(d.talker_layers):
+        shapes.update(
+            _decoder_layer_shapes(
+                f"talker.model.layers.{i}",
+                d.talker_hidden,
+                d.talker_heads,
+                d.talker_kv_heads,
+                d.talker_head_dim,
+                d.talker_mlp,
+            )
+        )
+    shapes["talker.model.norm.weight"] = (d.talker_hidden,)
+    shapes["talker.text_projection.linear_fc1.weight"] = (d.text_hidden, d.text_hidden)
+    shapes["talker.text_projection.linear_fc1.bias"] = (d.text_hidden,)
+    shapes["talker.text_projection.linear_fc2.weight"] = (d.talker_hidden, d.text_hidden)
+    shapes["talker.text_projection.linear_fc2.bias"] = (d.talker_hidden,)
+    shapes["talker.codec_head.weight"] = (TALKER_VOCAB, d.talker_hidden)
+    shapes.update(predictor_weight_shapes(dims))
+    return shapes
+
+
+# --------------------------------------------------------------------------------------------
+# Random values
+# --------------------------------------------------------------------------------------------
+
+
+def _generator(seed: int, name: str):
+    import torch
+
+    g = torch.Generator()
+    g.manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return g
+
+
+def _is_norm(name: str) -> bool:
+    return name.endswith("norm.weight")
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], seed: int):
+    import torch
+
+    g = _generator(seed, name)
+    x = torch.randn(shape, generator=g, dtype=torch.float32)
+    if _is_norm(name):
+        # RMSNorm weights near 1, not exactly 1, so a swapped or missing norm is visible in tests.
+        return 1.0 + 0.05 * x
+    return 0.02 * x
+
+
+def outlier_channels(dims: str, seed: int) -> list[int]:
+    """The predictor hidden channels that ``outliers=True`` inflates (deterministic by seed)."""
+    import torch
+
+    d = dims_of(dims)
+    g = _generator(seed, "outlier-channels")
+    return sorted(torch.randperm(d.cp_hidden, generator=g)[:OUTLIER_CHANNELS].tolist())
+
+
+def _apply_outliers(tensors: dict[str, Any], dims: str, seed: int) -> None:
+    """Give the predictor trained-transformer-like statistics (see :func:`make_model`)."""
+    d = dims_of(dims)
+    ch = outlier_channels(dims, seed)
+    p = "talker.code_predictor"
+    for name, t in tensors.items():
+        if not name.startswith(p):
+            continue
+        if name.startswith(f"{p}.model.layers.") and name.endswith(
+            ("input_layernorm.weight", "post_attention_layernorm.weight")
+        ):
+            t[ch] *= OUTLIER_NORM_SCALE
+        elif ".model.codec_embedding." in name and d.talker_hidden == d.cp_hidden:
+            t[:, ch] *= OUTLIER_EMBED_SCALE
+        elif name == f"{p}.small_to_mtp_projection.weight":
+            t[ch, :] *= OUTLIER_EMBED_SCALE
+        elif ".lm_head." in name:
+            # final-norm output has ~unit RMS per channel, so logit std ~ row_std * sqrt(H).
+            t *= PEAKED_HEAD_LOGIT_STD / (0.02 * d.cp_hidden**0.5)
+    if d.talker_hidden == d.cp_hidden and LAYER0_EMBEDDING in tensors:
+        # Layer-0 embeddings enter the predictor too (position 1).
+        tensors[LAYER0_EMBEDDING][:, ch] *= OUTLIER_EMBED_SCALE
+
+
+def _speaker_encoder_tensors(config: dict[str, Any], seed: int) -> dict[str, Any]:
+    import torch
+    from vllm_omni.model_executor.models.qwen3_tts.configuration_qwen3_tts import Qwen3TTSSpeakerEncoderConfig
+    from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker import Qwen3TTSSpeakerEncoder
+
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        enc = Qwen3TTSSpeakerEncoder(Qwen3TTSSpeakerEncoderConfig(**config["speaker_encoder_config"]))
+    return {f"speaker_encoder.{k}": v.detach().clone().contiguous() for k, v in enc.state_dict().items()}
+
+
+def _speech_tokenizer_tensors(st_config: dict[str, Any], seed: int) -> dict[str, Any]:
+    """Codec weights named as the released ``speech_tokenizer/model.safetensors`` (encoder.*, decoder.*)."""
+    import torch
+    from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz import (
+        configuration_qwen3_tts_tokenizer_v2 as st_conf,
+    )
+    from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz import (
+        modeling_qwen3_tts_tokenizer_v2 as st_model,
+    )
+
+    cfg = st_conf.Qwen3TTSTokenizerV2Config(
+        **{k: v for k, v in st_config.items() if k not in ("architectures", "model_type")}
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = st_model.Qwen3TTSTokenizerV2Model(cfg)
+    out: dict[str, Any] = {}
+    for name, t in model.state_dict().items():
+        if not t.is_floating_point():
+            continue  # conv stride/kernel bookkeeping buffers are rebuilt from the config
+        t = t.detach().clone().float().contiguous()
+        if name.endswith(("embed_sum", "embedding_sum")):
+            # Module init leaves codebooks at zero; distinct codewords make codes audible/encodable.
+            t = torch.randn(t.shape, generator=_generator(seed, name))
+        elif name.endswith(("cluster_usage", "initialized")):
+            t = torch.ones_like(t)
+        out[name] = t
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Text tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's byte <-> printable-char table, so token id == byte value for the 256 base tokens.
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, (chr(c) for c in cs), strict=True))
+
+
+def tokenizer_json() -> dict[str, Any]:
+    """A byte-level BPE tokenizer: ids 0-255 are bytes, special tokens keep their Qwen ids."""
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab.update(TEXT_SPECIAL_TOKENS)
+    added = [
+        {
+            "id": i,
+            "content": c,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for c, i in TEXT_SPECIAL_TOKENS.items()
+    ]
+    return {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": True,
+            "use_regex": True,
+        },
+        "post_processor": {
+            "type": "ByteLevel",
+            "add_prefix_space": False,
+            "trim_offsets": False,
+            "use_regex": False,
+        },
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": dict(sorted(vocab.items(), key=lambda kv: kv[1])),
+            "merges": [],
+        },
+    }
+
+
+TOKENIZER_CONFIG = {
+    "tokenizer_class": "Qwen2Tokenizer",
+    "model_max_length": 32768,
+    "bos_token": None,
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+    "unk_token": None,
+    "errors": "replace",
+    "add_prefix_space": False,
+    "clean_up_tokenization_spaces": False,
+    "split_special_tokens": False,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Writer
+# --------------------------------------------------------------------------------------------
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def _save_safetensors(tensors: dict[str, Any], path: Path, dtype: str) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    td = getattr(torch, dtype)
+    ordered = {k: tensors[k].to(td).contiguous() for k in sorted(tensors)}
+    save_file(ordered, str(path), metadata={"format": "pt"})
+
+
+def make_model(
+    out_dir: str | Path,
+    dims: str = "tiny",
+    kind: str = "custom-voice",
+    seed: int = 0,
+    outliers: bool = False,
+    parts: str = "all",
+) -> Path:
+    """Write a random Qwen3-TTS checkpoint to ``out_dir`` and return its path.
+
+    ``dims``: ``tiny`` | ``tiny-proj`` | ``0.6b`` | ``1.7b``. ``kind``: ``custom-voice`` (speaker
+    table with the released names, e.g. ``vivian``), ``base`` (empty speaker table plus
+    ``speaker_encoder.*`` weights, for voice cloning) or ``voice-design`` (empty speaker table, no
+    speaker encoder); the ``tts_model_type`` field carries the kind, as in the released files.
+    ``parts="predictor"`` writes only ``talker.code_predictor.*`` and the layer-0 table
+    ``talker.model.codec_embedding.weight`` (with the full config, no codec weights): enough for
+    predictor tests and benchmarks at real dimensions, not for the engine.
+
+    Values: normal(0, 0.02) for matrices, embeddings and biases, 1 + normal(0, 0.05) for RMSNorm
+    weights; each tensor from a generator seeded by (seed, name). Same arguments give
+    byte-identical safetensors files.
+
+    ``outliers=True`` makes the code predictor look trained where int8 quantization cares:
+    - ``OUTLIER_CHANNELS`` (4) hidden channels, picked by seed (:func:`outlier_channels`), get their
+      ``input_layernorm`` and ``post_attention_layernorm`` weights multiplied by 30 in every
+      predictor layer, so every q/k/v and gate/up input has 4 channels ~30x above the rest;
+    - the same columns of the codec embeddings that feed the predictor (its 15 residual tables and
+      the talker's layer-0 table; or the rows of ``small_to_mtp_projection`` when it exists) are
+      multiplied by 10, so the residual stream carries them too;
+    - the 15 codebook heads are scaled so their logits have a standard deviation of ~4 instead of
+      ~0.16: the top-1 probability becomes substantial (typically 0.2-0.7) rather than ~1/2048.
+    """
+    import torch
+
+    d = dims_of(dims)
+    if kind not in KINDS:
+        raise CheckpointError(f"kind={kind!r} is not valid; accepted values: {', '.join(KINDS)}")
+    if parts not in PARTS:
+        raise CheckpointError(f"parts={parts!r} is not valid; accepted values: {', '.join(PARTS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = build_config(dims, kind)
+    shapes = predictor_weight_shapes(dims) if parts == "predictor" else talker_weight_shapes(dims)
+    if parts == "predictor":
+        # The layer-0 embedding table feeds the predictor's position 1: keep it with the predictor.
+        shapes[LAYER0_EMBEDDING] = (TALKER_VOCAB, d.talker_hidden)
+    with torch.no_grad():
+        store = getattr(torch, d.dtype)
+        # Cast to the storage dtype at once (peak memory at 1.7B), except what outliers rescale.
+        tensors = {
+            name: t if name.startswith("talker.code_predictor.") or name == LAYER0_EMBEDDING else t.to(store)
+            for name, t in ((n, _random_tensor(n, shape, seed)) for n, shape in shapes.items())
+        }
+        if outliers:
+            _apply_outliers(tensors, dims, seed)
+        if kind == "base" and parts == "all":
+            tensors.update(_speaker_encoder_tensors(config, seed))
+        _save_safetensors(tensors, out / "model.safetensors", d.dtype)
+        _write_json(out / "config.json", config)
+        _write_json(out / "generation_config.json", GENERATION_CONFIG)
+        _write_json(out / "tokenizer.json", tokenizer_json())
+        _write_json(out / "tokenizer_config.json", TOKENIZER_CONFIG)
+        st = out / "speech_tokenizer"
+        st.mkdir(exist_ok=True)
+        st_config = speech_tokenizer_config(dims)
+        _write_json(st / "config.json", st_config)
+        _write_json(st / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+        if parts == "all":
+            _save_safetensors(_speech_tokenizer_tensors(st_config, seed), st / "model.safetensors", "float32")
+        elif (st / "model.safetensors").exists():
+            (st / "model.safetensors").unlink()
+    _write_json(
+        out / "omni_cpu_fastpath.json",
+        {
+            "made_by": "omni_cpu_fastpath.checkpoint.make_model",
+            "dims": dims,
+            "kind": kind,
+            "seed": seed,
+            "outliers": outliers,
+            "parts": parts,
+            "outlier_channels": outlier_channels(dims, seed) if outliers else [],
+        },  # fmt: skip
+    )
+    return out
+
+
+def file_digest(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cli_make_model(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
+        raise SystemExit(
+            f"omni-cpu-fastpath make-model: {out} exists and is not a checkpoint folder; refusing to write"
+        )
+    parts = getattr(args, "parts", "all")
+    path = make_model(
+        out, dims=args.dims, kind=args.kind, seed=args.seed, outliers=args.outliers, parts=parts
+    )
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    print(json.dumps({"dir": str(path), "dims": args.dims, "kind": args.kind, "seed": args.seed,
+                      "outliers": bool(args.outliers), "bytes": size}))  # fmt: skip
+    return 0
+
+
+__all__ = [
+    "CheckpointError",
+    "DIMS",
+    "KINDS",
+    "SPEAKERS",
+    "build_config",
+    "cli_make_model",
+    "make_model",
+    "outlier_channels",
+    "predictor_weight_shapes",
+    "speech_tokenizer_config",
+    "talker_weight_shapes",
+]

@@ -1,0 +1,59 @@
+"""Shared fixtures: random Qwen3-TTS checkpoints, made once per test session.
+
+- ``tiny_model_dir``: ``make_model(dims="tiny", seed=0)``, the full layout (engine-loadable).
+- ``tiny_outlier_model_dir``: the same with ``outliers=True``.
+- ``model_0p6b_dir``: released 0.6B dimensions, ``parts="predictor"`` (only the code predictor and
+  the layer-0 embedding table, bf16, ~0.3 GB, a few seconds); made on first use.
+- ``model_0p6b_outlier_dir``: the same with ``outliers=True``.
+- ``make_checkpoint(**kwargs)``: any other ``make_model`` variant, cached by its arguments.
+
+No torch import here (some tests check what importing the package pulls in); torch threads are
+capped through OMP_NUM_THREADS before anything imports torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# The CI machine has 2 cores shared with the test runner itself.
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    cache: dict[tuple, Path] = {}
+
+    def make(**kwargs) -> Path:
+        from omni_cpu_fastpath.checkpoint import make_model
+
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            name = "ckpt-" + "-".join(f"{k}={v}" for k, v in key).replace("/", "_") if key else "ckpt"
+            cache[key] = make_model(tmp_path_factory.mktemp(name), **kwargs)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(make_checkpoint) -> Path:
+    return make_checkpoint(dims="tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_outlier_model_dir(make_checkpoint) -> Path:
+    return make_checkpoint(dims="tiny", seed=0, outliers=True)
+
+
+@pytest.fixture(scope="session")
+def model_0p6b_dir(make_checkpoint) -> Path:
+    return make_checkpoint(dims="0.6b", seed=0, parts="predictor")
+
+
+@pytest.fixture(scope="session")
+def model_0p6b_outlier_dir(make_checkpoint) -> Path:
+    return make_checkpoint(dims="0.6b", seed=0, parts="predictor", outliers=True)
