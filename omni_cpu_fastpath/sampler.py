@@ -1,0 +1,447 @@
+"""Compile-free CPU sampler for the talker's first codebook: ``CpuSampler``.
+
+vLLM 0.30's :class:`vllm.v1.sample.sampler.Sampler` on CPU samples rows without a per-request
+generator through ``compiled_random_sample`` (``torch.compile(dynamic=True)``): seconds to tens of
+seconds of compile on first use, then an OpenMP region per step that on a busy CPU waits
+milliseconds for its threads (``omni-cpu-fastpath bench sampler`` measures it). Its logprob ranks
+go through another compiled kernel (``batched_count_greater_than``). Everything else is eager.
+
+``CpuSampler`` keeps vLLM's contract and semantics, step for step, replaces the compiled parts
+with eager PyTorch, re-does the slow eager parts with fewer tensor ops (bit-equal, tested against
+vLLM's functions), and samples a small batch with one torch thread (``max_threads``):
+
+1. raw logprobs / raw logits when logprobs are asked (``logprobs_mode``);
+2. float32 logits; allowed-token-ids mask; bad words; non-argmax-invariant logits processors
+   (min tokens, logit bias, custom ones) - vLLM's own code;
+3. repetition / frequency / presence penalties - :func:`apply_penalties`, vLLM's
+   ``apply_all_penalties`` arithmetic in fewer passes; the thinking budget when tracked;
+4. greedy argmax (unless ``all_random``; ``all_greedy`` returns here), temperature (greedy rows
+   divide by 1), argmax-invariant processors (min-p), top-k / top-p - :func:`top_k_top_p`
+   (vLLM's eager CPU ``apply_top_k_top_p_pytorch``, with a shortcut for one top-k for all rows);
+5. softmax, then, when some row has a generator, exponential noise from
+   :func:`omni_cpu_fastpath.noise.sampler_exponentials` (the default generator for the whole
+   batch, then each seeded row from its own generator, as ``TopKTopPSampler.forward_cpu``) and
+   ``argmax(probs / q)``; when none has, vLLM's compiled draw is replaced by an inverse-CDF draw
+   (:func:`sample_inverse_cdf`, one uniform per row); greedy rows (temperature < 1e-5) take the
+   greedy token;
+6. logprobs of the top ``max_num_logprobs`` and the sampled token, or of ``logprob_token_ids``.
+
+Results equal vLLM's Sampler bit for bit whenever vLLM draws eagerly, i.e. when some row has a
+per-request generator or with fp64 noise (and every generator is left in the same state). With no
+generator at all vLLM draws inside its compiled kernel with inductor's own random stream: there
+the numbers differ but the distribution is the same (``tests/test_sampler.py`` checks both).
+
+How vllm-omni calls it. ``OmniGPUARModelRunner._sample`` (``vllm_omni/worker/gpu_ar_model_runner.py``),
+when the model has ``prefer_model_sampler = True`` and a callable ``sample``, and the step has no
+speculative decoding, calls::
+
+    model.sample(logits, sampling_metadata)   # logits [num_reqs, vocab]; returns SamplerOutput
+
+(``call_model_sampler``; with ``model_sampler_wants_extra_args`` a third keyword
+``per_req_extra_args`` is added). Before that the runner has clamped ``prompt_token_ids`` to the
+logits vocabulary, dropped min-tokens stop ids the head cannot emit and rebuilt
+``output_token_ids`` from the input batch. ``None`` from ``sample`` makes the runner fall back to
+its own Sampler. So the talker (``omni_cpu_fastpath.talker``, with ``VLLM_OMNI_CPU_FAST_SAMPLER``
+on) does::
+
+    self.cpu_sampler = CpuSampler(logprobs_mode=model_config.logprobs_mode,
+                                  use_fp64_gumbel=model_config.use_fp64_gumbel)
+    self.prefer_model_sampler = True
+    def sample(self, logits, sampling_metadata):
+        return self.cpu_sampler(logits, sampling_metadata)
+
+Declining (returning None) is only safe before any logits processing: the sampler works in place,
+as vLLM's does, so a half-processed tensor must never go on to the stock Sampler.
+
+The sampling metadata itself is built by the runner (``InputBatch.refresh_metadata``), not by
+the model; :func:`timed_refresh_metadata` is the call a runner can use to time it as
+``sampler.metadata_ms``.
+
+Step timers (``omni_cpu_fastpath.step_stats``): ``model.sample_ms`` (the whole call),
+``sampler.processors_ms`` (allowed ids, bad words, non-argmax-invariant processors),
+``sampler.penalties_ms`` (penalties, thinking budget), ``sampler.topk_topp_ms`` (temperature,
+argmax-invariant processors, top-k / top-p, processed logprobs), ``sampler.draw_ms`` (softmax,
+noise and argmax, or the inverse-CDF draw).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from vllm.config.model import LogprobsMode
+from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.ops.bad_words import apply_bad_words
+from vllm.v1.sample.ops.penalties import _convert_to_tensors
+from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch, sample_with_exponential_noise
+from vllm.v1.sample.sampler import Sampler
+
+from . import noise, step_stats
+
+logger = logging.getLogger(__name__)
+
+# vLLM's threshold below which a temperature means greedy (vllm/v1/sample/sampler.py).
+SAMPLING_EPS = 1e-5
+
+SAMPLE = step_stats.MODEL_SAMPLE
+PROCESSORS = "sampler.processors_ms"
+PENALTIES = "sampler.penalties_ms"
+TOPK_TOPP = "sampler.topk_topp_ms"
+DRAW = "sampler.draw_ms"
+METADATA = "sampler.metadata_ms"
+
+# Largest batch x vocab sampled under the thread cap (85 rows of the talker's 3072 entries).
+SMALL_STEP = 1 << 18
+
+_LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
+
+def count_at_least(x: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Per row, how many entries of ``x`` are >= ``values[row]`` (the rank of a token, 1-based).
+
+    Eager twin of vLLM's compiled ``batched_count_greater_than``: one boolean temporary of the
+    logits' size is nothing next to a compile on the first logprobs request.
+    """
+    return (x >= values).sum(-1)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+    output_token_ids: list[list[int]],
+) -> torch.Tensor:
+    """vLLM's ``apply_all_penalties``, bit for bit, in place, with fewer full-vocabulary passes.
+
+    vLLM's CPU path spends ~0.1-0.2 ms per step here at batch 1 (``repeat`` of the penalties over
+    the vocabulary, two bin counts, unconditional frequency / presence passes), as much as the
+    rest of the sampler. Same arithmetic: the repetition factor is ``1 / p`` for positive logits
+    and ``p`` otherwise, applied by one multiply where the token was seen (elsewhere vLLM
+    multiplies by exactly 1.0); frequency and presence passes that subtract exact zeros are
+    skipped.
+    """
+    batch, vocab = logits.shape
+    rep_on = _any(repetition_penalties, 1.0)
+    freq_on, pres_on = _any(frequency_penalties, 0.0), _any(presence_penalties, 0.0)
+    if not (rep_on or freq_on or pres_on):
+        return logits
+    if rep_on and not (freq_on or pres_on) and logits.device.type == "cpu" and logits.is_contiguous():
+        return _repetition_penalty_sparse(logits, prompt_token_ids, repetition_penalties, output_token_ids)
+    # vLLM's own padding (vocab as pad id, -1 async placeholders mapped to the pad).
+    out = _convert_to_tensors(output_token_ids, vocab, logits.device)
+    out.masked_fill_(out == -1, vocab)
+    counts: torch.Tensor | None = None
+    if freq_on:
+        counts = torch.zeros(batch, vocab + 1, dtype=torch.long, device=logits.device)
+        counts.scatter_add_(1, out, torch.ones_like(out))
+        out_seen = counts > 0
+    else:
+        out_seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=logits.device)
+        out_seen.scatter_(1, out, True)
+    if rep_on:
+        seen = out_seen.clone() if pres_on else out_seen
+        seen.scatter_(1, prompt_token_ids, True)
+        rep = repetition_penalties.unsqueeze(1)
+        scaling = torch.where(logits > 0, 1.0 / rep, rep)
+        logits.mul_(scaling.masked_fill_(~seen[:, :vocab], 1.0))
+    if counts is not None:
+        logits -= frequency_penalties.unsqueeze(1) * counts[:, :vocab]
+    if pres_on:
+        logits -= presence_penalties.unsqueeze(1) * out_seen[:, :vocab]
+    return logits
+
+
+def _repetition_penalty_sparse(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+    output_token_ids: list[list[int]],
+) -> torch.Tensor:
+    """Repetition penalty alone (the talker's case), touching only the seen tokens.
+
+    The seen set is built in numpy (prompt pad ids and -1 placeholders land in a spare column),
+    then one gather, one select and one scatter over those entries: the same float32 products
+    (``logit * (1 / p)`` or ``logit * p``) as vLLM's dense pass, in six tensor ops instead of ~15.
+    """
+    batch, vocab = logits.shape
+    seen = np.zeros((batch, vocab + 1), dtype=bool)
+    seen[np.arange(batch)[:, None], prompt_token_ids.numpy()] = True
+    for r, out in enumerate(output_token_ids[:batch]):
+        if out:
+            seen[r, out] = True  # -1 hits the spare column
+    flat = np.flatnonzero(seen[:, :vocab])  # row * vocab + token
+    if flat.size == 0:
+        return logits
+    rep = repetition_penalties.numpy().astype(np.float32, copy=False)[flat // vocab]
+    recip = np.float32(1.0) / rep  # IEEE float32 division, as torch's reciprocal
+    idx = torch.from_numpy(flat)
+    flat_logits = logits.view(-1)
+    vals = flat_logits.index_select(0, idx)
+    new = torch.where(vals > 0, vals * torch.from_numpy(recip), vals * torch.from_numpy(rep))
+    flat_logits.index_copy_(0, idx, new)
+    return logits
+
+
+def top_k_top_p(logits: torch.Tensor, k: torch.Tensor | None, p: torch.Tensor | None) -> torch.Tensor:
+    """vLLM's CPU top-k / top-p (``apply_top_k_top_p_pytorch`` with ``allow_cpu_sync``), in place.
+
+    When every row has the same top-k and no top-p (the talker's case) the k-th largest logit is
+    read straight from ``topk`` and the rest masked: the same threshold and comparison as vLLM's
+    ``apply_top_k_only`` with a third of its tensor ops. Anything else goes to vLLM's function.
+    """
+    if p is None and k is not None and k.device.type == "cpu" and k.numel() > 0:
+        ks = k.numpy()
+        k0 = int(ks[0])
+        if 0 < k0 < logits.shape[1] and bool((ks == k0).all()):
+            kth = logits.topk(k0, dim=1).values[:, -1:]
+            return logits.masked_fill_(logits < kth, float("-inf"))
+    return apply_top_k_top_p_pytorch(logits, k, p, allow_cpu_sync=True)
+
+
+def sample_inverse_cdf(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row with probability ``probs[row, i] / probs[row].sum()``, by inverse CDF.
+
+    One uniform per row instead of a vocabulary of exponentials: ATen's ``exponential_`` is a
+    serial loop (~45 ns an entry) and ``-log(u)`` goes through a VML ``log`` that opens an OpenMP
+    region above 2048 entries, costly on a busy CPU. ``u`` lies in ``(0, total]`` and a token is
+    taken iff ``cdf[i-1] < u <= cdf[i]``, so a zero-probability token is never taken.
+    """
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
+    u = torch.rand(probs.shape[0], 1, dtype=torch.float64, generator=generator, device=probs.device)
+    u = (1.0 - u).mul_(cdf[:, -1:])
+    return torch.searchsorted(cdf, u).clamp_(max=probs.shape[1] - 1).view(-1)
+
+
+def _any(values: torch.Tensor, neutral: float) -> bool:
+    # A per-row parameter differing from its no-op value; numpy avoids two tensor ops per check.
+    if values.device.type == "cpu":
+        return bool((values.numpy() != neutral).any())
+    return bool((values != neutral).any())
+
+
+class CpuSampler(nn.Module):
+    """vLLM 0.30's ``Sampler`` without ``torch.compile``: same ``forward`` and ``SamplerOutput``."""
+
+    def __init__(
+        self,
+        logprobs_mode: LogprobsMode = "raw_logprobs",
+        use_fp64_gumbel: bool = False,
+        max_threads: int | None = 1,
+    ) -> None:
+        super().__init__()
+        if logprobs_mode not in _LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode={logprobs_mode!r} is not one of {', '.join(_LOGPROBS_MODES)}")
+        if max_threads is not None and max_threads < 1:
+            raise ValueError(f"max_threads must be >= 1 or None, got {max_threads}")
+        self.logprobs_mode = logprobs_mode
+        self.use_fp64_gumbel = bool(use_fp64_gumbel)
+        # Torch threads while sampling a small batch (None: leave them). A [batch, vocab] step is
+        # microseconds of work; an OpenMP region over it (softmax opens one from 2 rows up) costs
+        # more, and on a busy CPU a worker thread waiting for its core costs milliseconds.
+        self.max_threads = max_threads
+
+    def forward(
+        self,
+        logits: torch.Tensor,
+        sampling_metadata: SamplingMetadata,
+        predict_bonus_token: bool = False,
+        logprobs_mode_override: LogprobsMode | None = None,
+    ) -> SamplerOutput:
+        with step_stats.timer(SAMPLE, sync=True):
+            threads = torch.get_num_threads()
+            if self.max_threads is None or threads <= self.max_threads or logits.numel() > SMALL_STEP:
+                return self._forward(logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+            torch.set_num_threads(self.max_threads)
+            try:
+                return self._forward(logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+            finally:
+                torch.set_num_threads(threads)
+
+    def _forward(
+        self,
+        logits: torch.Tensor,
+        md: SamplingMetadata,
+        predict_bonus_token: bool,
+        logprobs_mode_override: LogprobsMode | None,
+    ) -> SamplerOutput:
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
+        logprobs_mode = logprobs_mode_override or self.logprobs_mode
+        num_logprobs = md.max_num_logprobs
+        # As vLLM: top-k logprobs come from the logits before any processing.
+        raw_logprobs: torch.Tensor | None = None
+        if num_logprobs is not None or md.logprob_token_ids:
+            if logprobs_mode == "raw_logprobs":
+                raw_logprobs = logits.log_softmax(dim=-1, dtype=torch.float32)
+            elif logprobs_mode == "raw_logits":
+                raw_logprobs = logits.clone() if logits.dtype == torch.float32 else logits.to(torch.float32)
+
+        logits = logits.to(torch.float32)
+        logits = self.apply_logits_processors(logits, md, predict_bonus_token)
+        sampled, processed_logprobs = self.sample(logits, md)
+        if processed_logprobs is not None:
+            raw_logprobs = processed_logprobs
+        sampled = sampled.long()
+
+        token_ids_tensors = None
+        if md.logprob_token_ids:
+            assert raw_logprobs is not None
+            token_ids_tensors = self.gather_specific_token_logprobs(
+                raw_logprobs, md.logprob_token_ids, sampled
+            )
+        if num_logprobs is None:
+            logprobs_tensors = token_ids_tensors
+        elif num_logprobs == -1:
+            logprobs_tensors = LogprobsTensors(torch.empty(0), raw_logprobs, torch.empty(0))
+        else:
+            assert raw_logprobs is not None
+            logprobs_tensors = self.gather_logprobs(raw_logprobs, num_logprobs, sampled)
+        # vLLM prefers the explicit token ids when both are asked.
+        if token_ids_tensors is not None and num_logprobs is not None:
+            logprobs_tensors = token_ids_tensors
+
+        return SamplerOutput(
+            sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1), logprobs_tensors=logprobs_tensors
+        )
+
+    def apply_logits_processors(
+        self, logits: torch.Tensor, md: SamplingMetadata, predict_bonus_token: bool = False
+    ) -> torch.Tensor:
+        """Steps 2-3, vLLM's order: allowed ids, bad words, non-invariant processors, penalties."""
+        output_token_ids = md.output_token_ids
+        if predict_bonus_token and (md.bad_words_token_ids or not md.no_penalties):
+            output_token_ids = Sampler._combine_outputs_with_spec_tokens(output_token_ids, md.spec_token_ids)
+
+        with step_stats.timer(PROCESSORS):
+            if md.allowed_token_ids_mask is not None:
+                logits.masked_fill_(md.allowed_token_ids_mask, float("-inf"))
+            if md.bad_words_token_ids:
+                apply_bad_words(logits, md.bad_words_token_ids, output_token_ids)
+            for processor in md.logitsprocs.non_argmax_invariant:
+                logits = processor.apply(logits)
+
+        holder = md.thinking_budget_state_holder
+        if md.no_penalties and (holder is None or not holder.has_tracked_requests()):
+            return logits
+        with step_stats.timer(PENALTIES):
+            if not md.no_penalties:
+                if md.prompt_token_ids is None:
+                    raise ValueError("sampling_metadata has penalties but no prompt_token_ids")
+                logits = apply_penalties(
+                    logits,
+                    md.prompt_token_ids,
+                    md.presence_penalties,
+                    md.frequency_penalties,
+                    md.repetition_penalties,
+                    output_token_ids,
+                )
+            if holder is not None and holder.has_tracked_requests():
+                holder.update_state(md.output_token_ids, md.spec_token_ids, repeat_indices=None)
+                logits = holder.apply_to_logits(logits, predict_bonus_token, md.spec_token_ids)
+        return logits
+
+    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Step 4-5: greedy and random tokens from processed logits (may update them in place)."""
+        if md.all_greedy and md.all_random:
+            raise ValueError("sampling_metadata is both all_greedy and all_random")
+        mode = self.logprobs_mode
+        if md.all_random:
+            greedy = None
+        else:
+            greedy = logits.argmax(dim=-1).view(-1)
+            if md.all_greedy:
+                processed = None
+                if md.max_num_logprobs is not None or md.logprob_token_ids:
+                    if mode == "processed_logits":
+                        processed = logits
+                    elif mode == "processed_logprobs":
+                        processed = logits.log_softmax(dim=-1, dtype=torch.float32)
+                return greedy, processed
+
+        if md.temperature is None:
+            raise ValueError("sampling_metadata has random rows but no temperature")
+        with step_stats.timer(TOPK_TOPP):
+            logits = Sampler.apply_temperature(logits, md.temperature, md.all_random)
+            for processor in md.logitsprocs.argmax_invariant:
+                logits = processor.apply(logits)
+            logits = top_k_top_p(logits, md.top_k, md.top_p)
+            processed = None
+            if mode == "processed_logits":
+                processed = logits
+            elif mode == "processed_logprobs":
+                processed = logits.log_softmax(dim=-1, dtype=torch.float32)
+
+        with step_stats.timer(DRAW):
+            probs = logits.softmax(dim=-1, dtype=torch.float32)
+            if not md.generators and not self.use_fp64_gumbel:
+                # vLLM draws these rows in compiled code whose random stream nothing eager
+                # reproduces: any exact sampler of the same distribution is as faithful.
+                random = sample_inverse_cdf(probs)
+            else:
+                q = noise.sampler_exponentials(
+                    probs.shape[0],
+                    probs.shape[1],
+                    md.generators,
+                    dtype=torch.float64 if self.use_fp64_gumbel else probs.dtype,
+                    device=probs.device,
+                )
+                random = sample_with_exponential_noise(probs, q)
+
+        if greedy is None:
+            return random, processed
+        return torch.where(md.temperature < SAMPLING_EPS, greedy, random, out=greedy), processed
+
+    @staticmethod
+    def gather_logprobs(
+        logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor
+    ) -> LogprobsTensors:
+        """Top ``num_logprobs`` logprobs and the sampled token's logprob and rank (as vLLM)."""
+        if token_ids.dtype != torch.int64:
+            raise ValueError(f"token_ids must be int64, got {token_ids.dtype}")
+        topk_logprobs, topk_indices = torch.topk(logprobs, num_logprobs, dim=-1)
+        token_ids = token_ids.unsqueeze(-1)
+        token_logprobs = logprobs.gather(-1, token_ids)
+        ranks = count_at_least(logprobs, token_logprobs)
+        indices = torch.cat((token_ids, topk_indices), dim=1).to(torch.int32)
+        return LogprobsTensors(indices, torch.cat((token_logprobs, topk_logprobs), dim=1), ranks)
+
+    @staticmethod
+    def gather_specific_token_logprobs(
+        logprobs: torch.Tensor, logprob_token_ids: dict[int, list[int]], sampled: torch.Tensor
+    ) -> LogprobsTensors | None:
+        """Logprobs of the sampled token (column 0) and of each row's requested ids, -inf padded."""
+        if not logprob_token_ids:
+            return None
+        batch = logprobs.shape[0]
+        width = max(len(t) for t in logprob_token_ids.values()) + 1
+        token_ids = torch.zeros(batch, width, dtype=torch.int64)
+        valid = torch.zeros(batch, width, dtype=torch.bool)
+        valid[:, 0] = True
+        for row, ids in logprob_token_ids.items():
+            token_ids[row, 1 : len(ids) + 1] = torch.as_tensor(ids, dtype=torch.int64)
+            valid[row, 1 : len(ids) + 1] = True
+        token_ids = token_ids.to(logprobs.device)
+        valid = valid.to(logprobs.device)
+        token_ids[:, 0] = sampled
+        gathered = logprobs.gather(-1, token_ids).masked_fill(~valid, float("-inf"))
+        ranks = count_at_least(logprobs, logprobs.gather(-1, sampled.unsqueeze(-1)))
+        return LogprobsTensors(
+            logprob_token_ids=token_ids.to(torch.int32), logprobs=gathered, selected_token_ranks=ranks
+        )
+
+
+def timed_refresh_metadata(input_batch: Any) -> SamplingMetadata:
+    """``input_batch.refresh_metadata()`` timed as ``sampler.metadata_ms``; returns the metadata.
+
+    Building ``SamplingMetadata`` is the runner's job (``InputBatch.refresh_metadata`` in
+    ``_update_states``); a CPU runner calls this instead to see that cost beside the sampler's.
+    """
+    with step_stats.timer(METADATA):
+        input_batch.refresh_metadata()
+    return input_batch.sampling_metadata
