@@ -51,7 +51,7 @@ class Flag:
 
 
 # Names of the int8 predictor variants; ``omni_cpu_fastpath.quant`` implements each one.
-INT8_VARIANTS = ("off", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel")
+INT8_VARIANTS = ("off", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel", "w8-bf16head")
 
 FLAGS: dict[str, Flag] = {
     f.name: f
