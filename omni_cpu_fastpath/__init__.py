@@ -1,15 +1,16 @@
 """omni-cpu-fastpath: fast CPU text-to-speech for Qwen3-TTS served by vllm-omni.
 
 Importing this package has no side effects: it patches nothing and imports neither vllm nor
-torch. vllm-omni activates it through the entry points declared in pyproject.toml
-(``omni_cpu_fastpath.plugins``); each capability lives in one module:
+torch. vLLM and vllm-omni activate it through the entry points declared in pyproject.toml
+(``plugins``). One module per capability:
 
-- ``envs``: every VLLM_OMNI_* flag       - ``step_stats``: per-step timers
-- ``checkpoint``: random checkpoints     - ``reference``: the qwen-tts reference predictor
-- ``predictor``: KV-cached code predictor - ``quant``: int8 predictor layers and parity
-- ``sampler``: compile-free CpuSampler    - ``noise``: eager sampling noise
-- ``platform`` / ``worker``: CPU omni platform and workers
-- ``talker``: FastQwen3TTSTalker          - ``serving``: serve / demo commands
+- ``envs``: every VLLM_OMNI_* flag            - ``step_stats``: per-step timers
+- ``predictor``: KV-cached, compilable predictor - ``quant``: int8 predictor layers, parity
+- ``sampler``: compile-free CpuSampler          - ``noise``: eager sampling noise
+- ``talker``: FastQwen3TTSTalker               - ``plugins``: entry-point functions
+- ``omni_platform`` / ``vllm_platform`` / ``worker``: the CPU platform and workers
+- ``serving``: the serve and demo commands      - ``bench``: benchmarks behind the CLI
+- ``checkpoint``: random checkpoints            - ``stock`` / ``reference``: reference models
 """
 
 __version__ = "0.1.0"

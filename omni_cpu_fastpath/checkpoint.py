@@ -123,10 +123,11 @@ class Dims:
 
 # fmt: off
 # talker: hidden layers heads kv head_dim mlp text_hidden mrope; predictor: hidden layers heads kv hd mlp
+# The talker's head_dim stays >= 32: vLLM's CPU attention backend supports only 32, 64, 80, ... 512.
 _DIMS: dict[str, Dims] = {
-    "tiny": Dims(64, 2, 4, 2, 16, 128, 32, (4, 2, 2), 64, 2, 4, 2, 16, 128,
+    "tiny": Dims(64, 2, 4, 2, 32, 128, 32, (8, 4, 4), 64, 2, 4, 2, 16, 128,
                  "0b6", "float32", True, (32, 32, 32, 32, 96)),
-    "tiny-proj": Dims(96, 2, 4, 2, 24, 192, 32, (6, 3, 3), 64, 2, 4, 2, 16, 128,
+    "tiny-proj": Dims(96, 2, 4, 2, 32, 192, 32, (8, 4, 4), 64, 2, 4, 2, 16, 128,
                       "1b7", "float32", True, (32, 32, 32, 32, 96)),
     "0.6b": Dims(1024, 28, 16, 8, 128, 3072, 2048, (24, 20, 20), 1024, 5, 16, 8, 128, 3072,
                  "0b6", "bfloat16", False, (512, 512, 512, 512, 1536)),

@@ -53,7 +53,8 @@ def _run_worker(args: list[str], python: str | Path | None, timeout: float) -> N
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "2")
     env.pop("PYTHONPATH", None)  # this venv's packages must not leak into the reference venv
-    # -P: do not put the worker's folder (this package, with its own platform.py) on sys.path.
+    # -P: do not put the worker's folder (this package) on sys.path, so no module of ours can shadow
+    # a standard-library or reference-venv module.
     cmd = [str(ref_python(python)), "-P", str(WORKER), *args]
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import importlib.util
 import json
 import logging
@@ -130,6 +131,9 @@ def build_impl(
             raise ValueError("int8 rows are cached predictors; use impl cached-eager or cached-compiled")
         return stock, None
     compiled = impl == "cached-compiled"
+    if int8:
+        # Quantization rewrites the layers in place: each int8 row gets its own copy of the weights.
+        stock = copy.deepcopy(stock)
     pred = CachedCodePredictor.from_stock(
         stock, compile="step" if compiled else "off", threads=0, buckets=batches, warmup=False
     )

@@ -1,0 +1,77 @@
+"""vLLM's CPU platform with the config adjustments omni stages need on CPU.
+
+Returned by ``omni_cpu_fastpath.plugins.cpu_vllm_platform`` (entry-point group
+``vllm.platform_plugins``) only where vLLM would pick its own CPU platform anyway. vLLM calls
+``check_and_update_config`` on every ``VllmConfig`` it builds, in every process, which is the one
+place an out-of-tree package sees each stage's config before its scheduler and workers are made.
+For configs that are not vllm-omni stages it is exactly vLLM's ``CpuPlatform``.
+
+This module must not import vllm_omni: vLLM resolves its platform while vllm_omni itself may be
+half imported.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.platforms.cpu import CpuPlatform
+
+logger = logging.getLogger("vllm.omni_cpu_fastpath.vllm_platform")
+
+# KV cache of an omni stage when neither --kv-cache-memory-bytes nor VLLM_CPU_KVCACHE_SPACE says:
+# vLLM's CPU default reserves gpu_memory_utilization (0.3 in vllm-omni's stage configs) of host RAM
+# per stage. 1 GiB holds 4096 frames of the 0.6B talker.
+DEFAULT_OMNI_KV_BYTES = 1 << 30
+
+
+def is_omni_stage(model_config: Any) -> bool:
+    # vllm-omni's OmniModelConfig carries the stage identity; vLLM's ModelConfig does not.
+    return (
+        model_config is not None
+        and hasattr(model_config, "model_stage")
+        and hasattr(model_config, "stage_id")
+    )
+
+
+def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
+    """Make an omni stage's config runnable by the CPU workers; returns what was changed."""
+    from vllm.config import CompilationMode
+
+    model_config = vllm_config.model_config
+    changes: list[str] = []
+    if getattr(model_config, "use_v2_model_runner", False):
+        # Model Runner V2 needs Triton GPU kernels. The scheduler and the worker both read this
+        # flag, so it is set here, before either exists.
+        model_config.use_v2_model_runner = False
+        changes.append("Model Runner V1 (V2 needs Triton GPU kernels)")
+    compilation_config = vllm_config.compilation_config
+    if not model_config.enforce_eager and compilation_config.mode == CompilationMode.VLLM_COMPILE:
+        # The CPU default would compile the whole model with inductor at start-up (minutes on a
+        # few cores) for a per-step model that the fast path speeds up in its own way.
+        model_config.enforce_eager = True
+        compilation_config.mode = CompilationMode.NONE
+        changes.append("eager")
+    cache_config = vllm_config.cache_config
+    if cache_config.kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        cache_config.kv_cache_memory_bytes = DEFAULT_OMNI_KV_BYTES
+        changes.append(f"KV cache {DEFAULT_OMNI_KV_BYTES >> 20} MiB")
+    return changes
+
+
+class CpuVllmPlatform(CpuPlatform):
+    """``CpuPlatform`` plus :func:`adjust_omni_stage_config` for vllm-omni stage configs."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        if is_omni_stage(vllm_config.model_config):
+            changes = adjust_omni_stage_config(vllm_config)
+            if changes:
+                logger.info(
+                    "omni-cpu-fastpath: stage %s (%s) on CPU: %s",
+                    vllm_config.model_config.stage_id,
+                    vllm_config.model_config.model_stage,
+                    ", ".join(changes),
+                )
+        super().check_and_update_config(vllm_config)

@@ -1,0 +1,114 @@
+"""CPU workers and model runners for vllm-omni stages.
+
+Each class combines vllm-omni's omni layer with vLLM's CPU layer through the MRO, without
+copying either:
+
+- runners: ``GPUARModelRunner`` / ``GPUGenerationModelRunner`` (omni hooks: talker MTP,
+  inter-stage connectors, multimodal outputs) first, then vLLM's ``CPUModelRunner`` (CPU tensors
+  in place of device buffers, no CUDA events or graphs), then vLLM's ``GPUModelRunner``. The omni
+  ``load_model`` / ``_to_list`` call ``super()`` and so reach the CPU versions.
+- workers: ``OmniWorkerMixin`` (loads the ``vllm_omni.general_plugins`` group in the worker
+  process) on vLLM's ``CPUWorker`` (CPU memory accounting, gloo, OpenMP binding done by the
+  multiprocessing executor), with the runner swapped for the omni one.
+
+Model Runner V2 needs Triton GPU kernels, so these workers run the V1 runners; a stage whose
+deploy config asks for ``model_runner: v2`` is refused at start with the reason (the scheduler
+and the runner must agree on the data plane). ``omni_cpu_fastpath.plugins`` points Qwen3-TTS at a
+deploy config that selects V1 on CPU.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
+from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
+from vllm_omni.worker.mixins import OmniWorkerMixin
+
+from . import envs, step_stats
+
+logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log config shows it
+
+
+class CpuOmniRunnerError(RuntimeError):
+    """A stage asked for something the CPU runners cannot do."""
+
+
+class _CpuOmniRunnerMixin:
+    """Shared by both CPU omni runners: rebind device buffers, close a step_stats step."""
+
+    def _cpu_omni_post_init(self) -> None:
+        # vLLM's CPUModelRunner aliased its device buffers to the host ones inside its __init__;
+        # the omni runner made more buffers after that, so alias those too.
+        self._postprocess_tensors()  # type: ignore[attr-defined]
+        # vLLM's CPU platform empties the CUDA-graph sizes, leaving this None; the omni runner
+        # sizes its talker-MTP buffers with max(max_num_reqs, this). No graphs on CPU: 0.
+        compilation_config = self.compilation_config  # type: ignore[attr-defined]
+        if compilation_config.max_cudagraph_capture_size is None:
+            compilation_config.max_cudagraph_capture_size = 0
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        # execute_model then sample_tokens is one engine step; the step's timers end here.
+        try:
+            return super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            step_stats.end_step()
+
+
+class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
+    """The omni autoregressive runner (talker stage) on vLLM's CPU runner."""
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self._cpu_omni_post_init()
+
+
+class CPUGenerationModelRunner(_CpuOmniRunnerMixin, GPUGenerationModelRunner, CPUModelRunner):
+    """The omni generation runner (code2wav stage) on vLLM's CPU runner."""
+
+    def __init__(self, vllm_config: Any, device: torch.device) -> None:
+        super().__init__(vllm_config, device)
+        self._cpu_omni_post_init()
+
+
+class _CpuOmniWorkerMixin:
+    model_runner_cls: type
+
+    def init_device(self) -> None:
+        envs.validate_all()
+        model_config = self.model_config  # type: ignore[attr-defined]
+        if getattr(model_config, "use_v2_model_runner", False):
+            raise CpuOmniRunnerError(
+                f"stage {getattr(model_config, 'stage_id', '?')} asks for Model Runner V2 "
+                "(deploy config `model_runner: v2`), which needs Triton GPU kernels; on CPU set "
+                "`model_runner: v1` in the deploy config (omni-cpu-fastpath's CPU deploy config does)"
+            )
+        # vLLM's CPU init: thread and memory-node checks, gloo process group, seed, and a plain
+        # CPUModelRunner, which is replaced by the omni runner right away.
+        super().init_device()  # type: ignore[misc]
+        self.model_runner = None
+        gc.collect()
+        self.model_runner = self.model_runner_cls(self.vllm_config, self.device)  # type: ignore[attr-defined]
+        logger.info(
+            "omni-cpu-fastpath: %s with %s (torch threads %d)",
+            type(self).__name__,
+            self.model_runner_cls.__name__,
+            torch.get_num_threads(),
+        )
+
+
+class CPUARWorker(_CpuOmniWorkerMixin, OmniWorkerMixin, CPUWorker):
+    """Worker for autoregressive omni stages (e.g. the Qwen3-TTS talker) on CPU."""
+
+    model_runner_cls = CPUARModelRunner
+
+
+class CPUGenerationWorker(_CpuOmniWorkerMixin, OmniWorkerMixin, CPUWorker):
+    """Worker for generation omni stages (e.g. Qwen3-TTS code2wav) on CPU."""
+
+    model_runner_cls = CPUGenerationModelRunner

@@ -1,0 +1,199 @@
+"""The CPU omni platform, its workers, the entry-point functions and the CPU deploy config.
+
+References are vllm-omni's and vLLM's own code: vllm-omni's platform resolution picks the class,
+its connector validation accepts the workers, its deploy loader reads the CPU deploy config, its
+model registry resolves the talker class, and vLLM's engine arguments build a real stage config
+for the platform hook to adjust.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import vllm_omni  # noqa: F401  # before omni_cpu_fastpath.omni_platform (see its module docstring)
+
+from omni_cpu_fastpath import envs, plugins, serving
+
+
+@pytest.fixture
+def flags(monkeypatch):
+    """Set VLLM_OMNI_* variables for one test (the environment, not any module)."""
+
+    def set_(**values: str) -> None:
+        for k, v in values.items():
+            monkeypatch.setenv(k, v)
+
+    return set_
+
+
+# --- entry points -----------------------------------------------------------------------------
+
+
+def test_platform_plugins_follow_the_flag(flags):
+    assert not envs.has_accelerator()  # this suite runs on CPU-only machines
+    for value, expected in (("auto", True), ("1", True), ("on", True), ("0", False), ("off", False)):
+        flags(VLLM_OMNI_CPU_PLATFORM=value)
+        assert (plugins.cpu_omni_platform() == plugins.PLATFORM_QUALNAME) is expected, value
+        assert (plugins.cpu_vllm_platform() == plugins.VLLM_PLATFORM_QUALNAME) is expected, value
+    flags(VLLM_OMNI_CPU_PLATFORM="maybe")
+    with pytest.raises(envs.FlagError, match="VLLM_OMNI_CPU_PLATFORM='maybe'"):
+        plugins.cpu_omni_platform()
+
+
+def test_register_models_switches_the_talker_class(flags):
+    from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker import (
+        Qwen3TTSTalkerForConditionalGeneration as Stock,
+    )
+    from vllm_omni.model_executor.models.registry import OmniModelRegistry
+
+    from omni_cpu_fastpath.talker import FastQwen3TTSTalker
+
+    arch = "Qwen3TTSTalkerForConditionalGeneration"
+    try:
+        flags(VLLM_OMNI_CPU_FASTPATH="1")
+        plugins.register_models()
+        plugins.register_models()  # idempotent
+        assert OmniModelRegistry._try_load_model_cls(arch) is FastQwen3TTSTalker
+        assert issubclass(FastQwen3TTSTalker, Stock)
+        flags(VLLM_OMNI_CPU_FASTPATH="0")
+        plugins.register_models()
+        assert OmniModelRegistry._try_load_model_cls(arch) is Stock
+        flags(VLLM_OMNI_CPU_FASTPATH="1", VLLM_OMNI_PREDICTOR_INT8="int4")
+        with pytest.raises(envs.FlagError, match="VLLM_OMNI_PREDICTOR_INT8"):
+            plugins.register_models()
+    finally:
+        os.environ["VLLM_OMNI_CPU_FASTPATH"] = "0"
+        os.environ.pop("VLLM_OMNI_PREDICTOR_INT8", None)
+        plugins.register_models()
+
+
+# --- platform and workers ---------------------------------------------------------------------
+
+
+def test_platform_names_cpu_workers_that_vllm_omni_accepts():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+    from vllm.v1.worker.cpu_worker import CPUWorker
+    from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
+    from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
+    from vllm_omni.worker.mixins import OmniWorkerMixin
+    from vllm_omni.worker.omni_connector_validation import validate_worker_omni_connector
+
+    from omni_cpu_fastpath.omni_platform import CpuOmniPlatform
+
+    p = CpuOmniPlatform()
+    assert p.is_cpu() and p.device_type == "cpu" and p.is_out_of_tree() and not p.is_cuda()
+    assert not p.supports_torch_inductor() and str(p.get_torch_device()) == "cpu"
+    free, total = p.get_device_memory()
+    assert 0 < free <= total
+    for qualname, omni_runner in (
+        (p.get_omni_ar_worker_cls(), GPUARModelRunner),
+        (p.get_omni_generation_worker_cls(), GPUGenerationModelRunner),
+    ):
+        worker = resolve_obj_by_qualname(qualname)
+        assert issubclass(worker, CPUWorker) and issubclass(worker, OmniWorkerMixin)
+        runner = worker.model_runner_cls
+        assert issubclass(runner, omni_runner) and issubclass(runner, CPUModelRunner)
+        # Omni hooks first, vLLM's CPU runner below them, vLLM's GPU runner last.
+        mro = runner.__mro__
+        assert mro.index(omni_runner) < mro.index(CPUModelRunner) < mro.index(CPUModelRunner.__mro__[1])
+        validate_worker_omni_connector(qualname, required=True)  # raises if vllm-omni would refuse it
+
+
+def test_platform_hook_fixes_up_an_omni_stage_config(tiny_model_dir, monkeypatch):
+    """A real stage config from vllm-omni's engine arguments, as the stock deploy gives it."""
+    from vllm.config import CompilationMode
+    from vllm_omni.engine.arg_utils import OmniEngineArgs
+
+    from omni_cpu_fastpath.vllm_platform import DEFAULT_OMNI_KV_BYTES, adjust_omni_stage_config, is_omni_stage
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    args = OmniEngineArgs(
+        model=str(tiny_model_dir),
+        stage_id=0,
+        model_stage="qwen3_tts",
+        model_arch="Qwen3TTSTalkerForConditionalGeneration",
+        worker_type="ar",
+        use_v2_model_runner=True,
+        trust_remote_code=True,
+        max_model_len=512,
+    )
+    config = args.create_engine_config()
+    assert is_omni_stage(config.model_config)
+    assert config.model_config.use_v2_model_runner
+    changes = adjust_omni_stage_config(config)
+    assert config.model_config.use_v2_model_runner is False
+    assert config.cache_config.kv_cache_memory_bytes == DEFAULT_OMNI_KV_BYTES
+    assert config.compilation_config.mode in (CompilationMode.NONE, CompilationMode.DYNAMO_TRACE_ONCE)
+    assert any("V1" in c for c in changes)
+    # A second pass changes nothing (the hook runs once per VllmConfig, but must be stable).
+    assert adjust_omni_stage_config(config) == []
+
+
+# --- the CPU deploy config --------------------------------------------------------------------
+
+
+def test_cpu_stage_envs_split_the_cores(monkeypatch):
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    talker, code2wav = plugins.cpu_stage_envs([0, 1])
+    assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
+    assert code2wav == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    talker, code2wav = plugins.cpu_stage_envs(list(range(8)))
+    assert talker["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3,4,5,6"
+    assert code2wav == {"VLLM_CPU_OMP_THREADS_BIND": "7"}
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|")
+    assert plugins.cpu_stage_envs([0, 1]) == ({}, {})
+
+
+def test_cpu_deploy_config_loads_with_vllm_omnis_loader(tmp_path, monkeypatch):
+    from vllm_omni.config.stage_config import load_deploy_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    path = plugins.cpu_deploy_config_path()
+    assert path.parent == tmp_path / "omni-cpu-fastpath"
+    assert plugins.cpu_deploy_config_path() == path  # same content, same file
+    deploy = load_deploy_config(path)
+    assert deploy.model_runner == "v1"
+    assert deploy.async_chunk is True  # inherited from the stock qwen3_tts.yaml
+    assert deploy.connectors  # the shared-memory connector of the stock file survives the overlay
+    by_id = {s.stage_id: s for s in deploy.stages}
+    assert set(by_id) == {0, 1}
+    assert by_id[0].enforce_eager and by_id[1].enforce_eager
+    assert by_id[0].max_num_seqs == 8
+    assert by_id[0].env and "VLLM_CPU_OMP_THREADS_BIND" in by_id[0].env
+    # The stock sampling defaults are kept (they are deep-merged, not replaced).
+    assert by_id[0].default_sampling_params["top_k"] == 50
+
+
+# --- serve command line -----------------------------------------------------------------------
+
+
+def test_serve_command_fills_cpu_defaults(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cmd = serving.serve_command(str(tiny_model_dir), ["--port", "9000"])
+    assert cmd[1:4] == ["serve", str(tiny_model_dir), "--omni"]
+    assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert cmd[cmd.index("--deploy-config") + 1] == str(plugins.cpu_deploy_config_path())
+    # The user's own choices win and are not duplicated.
+    cmd = serving.serve_command(str(tiny_model_dir), ["--host=0.0.0.0", "--deploy-config", "mine.yaml"])
+    assert cmd.count("--host=0.0.0.0") == 1 and "--host" not in cmd
+    assert cmd[cmd.index("--deploy-config") + 1] == "mine.yaml" and cmd.count("--deploy-config") == 1
+    # A released name is recognized by its name; another model gets no Qwen3-TTS deploy config.
+    assert "--deploy-config" in serving.serve_command("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
+    assert "--deploy-config" not in serving.serve_command("Qwen/Qwen3-0.6B")
+
+
+def test_serve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path):
+    with pytest.raises(serving.ServingError, match="without config.json"):
+        serving.serve_command(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(serving.ServingError, match="not valid JSON"):
+        serving.serve_command(str(tmp_path))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "--deploy-config" not in serving.serve_command(str(other))
