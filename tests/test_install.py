@@ -52,6 +52,11 @@ def test_setup_rerun_is_a_no_op() -> None:
     )
     assert len(stamps) == 2
     before = [s.stat().st_mtime_ns for s in stamps]
+    check = subprocess.run(
+        ["bash", str(REPO / "scripts/setup.sh"), "--check"], capture_output=True, text=True
+    )
+    # make test runs setup first, so anything else means the stamps do not cover what setup does.
+    assert check.returncode == 0, check.stdout
     out = subprocess.run(["bash", str(REPO / "scripts/setup.sh")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "up to date" in out.stdout

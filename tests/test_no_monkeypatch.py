@@ -65,7 +65,7 @@ SCRIPT = textwrap.dedent(
 
     import omni_cpu_fastpath
     from omni_cpu_fastpath import cli, envs, plugins, serving, step_stats, noise
-    from omni_cpu_fastpath import platform as omni_platform, vllm_platform, worker, talker
+    from omni_cpu_fastpath import omni_platform, vllm_platform, worker, talker
 
     assert plugins.cpu_omni_platform() == plugins.PLATFORM_QUALNAME
     assert plugins.cpu_vllm_platform() == plugins.VLLM_PLATFORM_QUALNAME

@@ -122,9 +122,14 @@ def test_offline_omni_api_synthesizes_on_cpu(tiny_model_dir: Path, tmp_path: Pat
         cwd=tmp_path,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, (
-        f"offline run failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    )
+    if proc.returncode != 0 or not lines:
+        (tmp_path / "offline.log").write_text(proc.stdout + "\n" + proc.stderr)
+        # The root cause sits above the engine's long re-raise chain: show every error line too.
+        errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln][:40]
+        pytest.fail(
+            "offline run failed:\n" + "\n".join(errors) + f"\n--- tail ---\n{proc.stderr[-3000:]}",
+            pytrace=False,
+        )
     meta = json.loads(lines[-1][len("RESULT ") :])
     assert len(meta) == 3 and len({m["request_id"] for m in meta}) == 3
 
