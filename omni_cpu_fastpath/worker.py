@@ -20,6 +20,7 @@ deploy config that selects V1 on CPU.
 from __future__ import annotations
 
 import gc
+import os
 from typing import Any
 
 import torch
@@ -83,10 +84,15 @@ class _CpuOmniWorkerMixin:
         envs.validate_all()
         model_config = self.model_config  # type: ignore[attr-defined]
         if getattr(model_config, "use_v2_model_runner", False):
+            hint = ""
+            if os.environ.get("VLLM_TARGET_DEVICE", "").lower() == "cpu":
+                # vLLM then returns its built-in CpuPlatform without asking platform plugins, so
+                # omni_cpu_fastpath's vLLM platform never gets to move the stage to V1.
+                hint = " VLLM_TARGET_DEVICE=cpu is set: unset it so omni-cpu-fastpath's platform runs."
             raise CpuOmniRunnerError(
                 f"stage {getattr(model_config, 'stage_id', '?')} asks for Model Runner V2 "
                 "(deploy config `model_runner: v2`), which needs Triton GPU kernels; on CPU set "
-                "`model_runner: v1` in the deploy config (omni-cpu-fastpath's CPU deploy config does)"
+                "`model_runner: v1` in the deploy config (omni-cpu-fastpath's CPU deploy config does)." + hint
             )
         # vLLM's CPU init: thread and memory-node checks, gloo process group, seed, and a plain
         # CPUModelRunner, which is replaced by the omni runner right away.

@@ -15,9 +15,9 @@ import json
 import os
 import random
 
-# vLLM chooses its CPU platform from the "vllm" distribution's version or from this variable.
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
+# vLLM picks its CPU platform from the "vllm" distribution's version ("+cpu", the setup's shim).
+# Never set VLLM_TARGET_DEVICE=cpu here: it makes vLLM skip platform plugins, and it would leak
+# into every server and engine process a test starts.
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402

@@ -12,17 +12,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-# vLLM picks its CPU platform from the "vllm" distribution's version ("+cpu") or from this
-# variable; without it the stock Sampler would not take its CPU path (forward_cpu).
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
+# vLLM picks its CPU platform from the "vllm" distribution's version ("+cpu", the setup's shim).
+# Never set VLLM_TARGET_DEVICE=cpu here: it makes vLLM skip platform plugins, and it would leak
+# into every server and engine process a test starts.
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsProcessors  # noqa: E402
