@@ -7,6 +7,7 @@ and is imported only when that command runs (``flags`` and ``stats`` never impor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -40,6 +41,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 def _lazy(module: str, func: str):
     def run(args: argparse.Namespace) -> int:
+        # vLLM's log handler binds sys.stdout when vllm is first imported: bind it to stderr, so
+        # that stdout holds only the command's table or JSON.
+        with contextlib.redirect_stdout(sys.stderr):
+            importlib.import_module("vllm.logger")
         return getattr(importlib.import_module(f"omni_cpu_fastpath.{module}"), func)(args)
 
     return run

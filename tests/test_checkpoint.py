@@ -258,3 +258,14 @@ def test_bad_dims_and_kind_are_rejected(tmp_path: Path, capsys) -> None:
     with pytest.raises(checkpoint.CheckpointError, match="kind='clone'"):
         checkpoint.make_model(tmp_path, kind="clone")
     assert not (tmp_path / "config.json").exists()
+
+
+@pytest.mark.parametrize("dims", ["tiny", "tiny-proj", "0.6b", "1.7b"])
+def test_talker_head_dim_is_served_by_vllm_cpu_attention(dims: str) -> None:
+    # vLLM's CPU attention backend serves only some head sizes; a tiny model outside them would
+    # load fine and then fail on its first request.
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    talker = checkpoint.build_config(dims)["talker_config"]
+    head_dim = talker.get("head_dim") or talker["hidden_size"] // talker["num_attention_heads"]
+    assert head_dim in CPUAttentionBackend.get_supported_head_sizes()
