@@ -36,6 +36,7 @@ import wave
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 DEMO_VOICE = "vivian"
@@ -254,6 +255,20 @@ def wav_info(data: bytes) -> tuple[int, float]:
         return w.getframerate(), w.getnframes() / float(w.getframerate())
 
 
+def _client(server: Server, timeout_s: float) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=timeout_s, max_retries=0)
+
+
+def _speech_options(max_frames: int, seed: int | None, **more: object) -> dict[str, object]:
+    """The vllm-omni fields of a speech request that the openai client passes as ``extra_body``."""
+    extra: dict[str, object] = {"max_new_tokens": max_frames, **more}
+    if seed is not None:
+        extra["seed"] = seed
+    return extra
+
+
 def synthesize(
     server: Server,
     text: str,
@@ -263,12 +278,8 @@ def synthesize(
     timeout_s: float = 600.0,
 ) -> Speech:
     """One non-streaming ``/v1/audio/speech`` request through the official openai client."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=timeout_s, max_retries=0)
-    extra: dict[str, object] = {"max_new_tokens": max_frames}
-    if seed is not None:
-        extra["seed"] = seed
+    client = _client(server, timeout_s)
+    extra = _speech_options(max_frames, seed)
     t0 = time.perf_counter()
     response = client.audio.speech.create(
         model=server.model, voice=voice, input=text, response_format="wav", extra_body=extra
@@ -289,12 +300,8 @@ def synthesize_streaming(
     timeout_s: float = 600.0,
 ) -> Speech:
     """One streaming request (raw 16-bit PCM chunks): also measures time to first audio."""
-    from openai import OpenAI
-
-    client = OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=timeout_s, max_retries=0)
-    extra: dict[str, object] = {"max_new_tokens": max_frames, "stream": True, "stream_format": "audio"}
-    if seed is not None:
-        extra["seed"] = seed
+    client = _client(server, timeout_s)
+    extra = _speech_options(max_frames, seed, stream=True, stream_format="audio")
     pcm = bytearray()
     ttfa = None
     t0 = time.perf_counter()
