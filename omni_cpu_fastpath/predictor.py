@@ -52,6 +52,21 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
     "epilogue_fusion": False,  # as the stock predictor: keeps RMSNorm/RoPE fp32 math unfused
 }
 
+
+def bucket_compile_options(options: dict[str, Any], bucket: int) -> list[dict[str, Any]]:
+    """The Inductor options to try, in order, for one batch bucket.
+
+    Batch 1 is matrix-vector work: there the CPP template alone reads near the bandwidth floor,
+    and autotuning against ATen only adds noise (it times in-cache weights on a shared box and the
+    on-disk cache keeps a bad pick), so it goes first with ATen as the fallback. From 2 rows up
+    ATen's kernels can win (int8 at 8 rows: ``_weight_int8pack_mm`` 2x the template), so those
+    buckets autotune as ``options`` say.
+    """
+    if bucket == 1 and options.get("max_autotune_gemm_backends") == "CPP,ATEN":
+        return [{**options, "max_autotune_gemm_backends": "CPP"}, dict(options)]
+    return [dict(options)]
+
+
 # Any finite uniform works for greedy rows: their noise is computed and then not selected.
 _GREEDY_UNIFORM = 0.5
 
@@ -67,6 +82,21 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@torch.library.custom_op("omni_cpu_fastpath::stacked_linear", mutates_args=())
+def stacked_linear(x: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, table[index])`` for a ``[S, N, K]`` table and a 0-d index tensor.
+
+    Opaque to the compiler on purpose: inside a graph, ``table[index]`` would be an index_select
+    that copies the whole head (8 MB at 0.6b) before the GEMM reads it again; here it is a view.
+    """
+    return F.linear(x, table[int(index)])
+
+
+@stacked_linear.register_fake
+def _(x: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], table.shape[1]))
 
 
 class StackedHeads(nn.Module):
@@ -89,8 +119,8 @@ class StackedHeads(nn.Module):
     def forward(self, h: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
         # h [B, H], step a 0-d long tensor -> logits [B, V]
         if torch.compiler.is_compiling():
-            # A tensor index keeps one graph for all 15 heads (index_select: no data-dependent int).
-            return F.linear(h, self.weight.index_select(0, step.reshape(1))[0])
+            # A tensor index keeps one graph for all 15 heads; the op reads the head in place.
+            return stacked_linear(h, self.weight, step)
         return F.linear(h, self.weight[int(step)])  # eager: a view, no copy of the head
 
 
@@ -209,8 +239,9 @@ class CachedCodePredictor(nn.Module):
         self.threads = int(threads)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
         self.compile_options = dict(INDUCTOR_OPTIONS if compile_options is None else compile_options)
-        self._compiled: Any = None
+        self._compiled: dict[int, Any] | None = None  # bucket -> compiled step
         self._compile_generation = 0
+        self._warming = False
         self.compile_seconds: float | None = None
         if compile == "step" and warmup:
             self.warmup()
@@ -377,7 +408,7 @@ class CachedCodePredictor(nn.Module):
 
     # ------------------------------------------------------------------ compile
 
-    def _fresh_compiled(self) -> Any:
+    def _fresh_compiled(self, options: dict[str, Any]) -> Any:
         # Compile an nn.Module (not a bound method): only then are the weights module parameters
         # that Inductor's freezing folds into constants, which its CPP GEMM templates need.
         # Dynamo caches graphs on the forward's code object; a distinct code object per instance and
@@ -387,38 +418,41 @@ class CachedCodePredictor(nn.Module):
         base = _StepModule.forward
         forward = types.FunctionType(base.__code__.replace(co_name=name), base.__globals__, name)
         module = type(name, (_StepModule,), {"forward": forward})(self)
-        compiled = torch.compile(module, fullgraph=True, dynamic=False, options=dict(self.compile_options))
+        compiled = torch.compile(module, fullgraph=True, dynamic=False, options=dict(options))
         # A bound method, not the module: assigning a module would register it as our child.
         return compiled.__call__
 
     def warmup(self) -> bool:
-        """Compile the step for every bucket (prefill and sub-step shapes); False if it fell back."""
-        import torch._inductor.config  # noqa: F401 - torch.compile imports it lazily
+        """Compile the step for every bucket (prefill and sub-step shapes); False if it fell back.
 
+        Each bucket gets its own compiled step and options (:func:`bucket_compile_options`); a
+        bucket whose first options fail is retried with the next before the whole step falls back
+        to eager.
+        """
         t0 = time.perf_counter()
-        limit = max(torch._dynamo.config.recompile_limit, 2 * len(self.buckets) + 2)
-        dtype = self.dtype
-        emb_dim = self.model.codec_embedding[0].weight.shape[1]
-        try:
-            self._compiled = self._fresh_compiled()
-            # Inductor reads ``freezing`` outside the per-compile ``options`` scope, so it is set here,
-            # around the calls that compile (all of them happen in this warm-up).
-            freezing = bool(self.compile_options.get("freezing", False))
-            with (
-                torch._dynamo.config.patch(recompile_limit=limit),
-                torch._inductor.config.patch(freezing=freezing),
-                self._thread_cap(),
-            ):
-                for b in self.buckets:
-                    hid = torch.zeros(b, 1, emb_dim, dtype=dtype)
-                    self.forward_cached(torch.zeros(b, 1, dtype=torch.long), hid, hid, do_sample=True)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure means: run eager
-            logger.warning("code predictor: torch.compile of the step failed, running eager: %r", exc)
-            self._compiled = None
-            self.compile_mode = "off"
-            return False
-        if self._compiled is None:  # the loop caught a compile error, logged it and went eager
-            return False
+        compiled: dict[int, Any] = {}
+        for b in self.buckets:
+            attempts = bucket_compile_options(self.compile_options, b)
+            for i, options in enumerate(attempts):
+                try:
+                    compiled[b] = self._compile_bucket(b, options)
+                    break
+                except Exception as exc:  # noqa: BLE001 - any compiler failure: retry or run eager
+                    self._compiled = None
+                    if i + 1 < len(attempts):
+                        logger.warning(
+                            "code predictor: compiling bucket %d with GEMM backends %s failed (%r); "
+                            "retrying with %s",
+                            b,
+                            options.get("max_autotune_gemm_backends"),
+                            exc,
+                            attempts[i + 1].get("max_autotune_gemm_backends"),
+                        )
+                        continue
+                    logger.warning("code predictor: torch.compile of the step failed, running eager: %r", exc)
+                    self.compile_mode = "off"
+                    return False
+        self._compiled = compiled
         self.compile_seconds = time.perf_counter() - t0
         logger.info(
             "code predictor: compiled the static step for batch buckets %s in %.1f s",
@@ -426,6 +460,27 @@ class CachedCodePredictor(nn.Module):
             self.compile_seconds,
         )
         return True
+
+    def _compile_bucket(self, bucket: int, options: dict[str, Any]) -> Any:
+        """A step compiled with ``options`` and warmed on ``bucket`` rows (prefill and sub-step)."""
+        import torch._inductor.config  # noqa: F401 - torch.compile imports it lazily
+
+        step = self._fresh_compiled(options)
+        self._compiled = {bucket: step}  # forward_cached pads to this bucket and calls it
+        hid = torch.zeros(bucket, 1, self.model.codec_embedding[0].weight.shape[1], dtype=self.dtype)
+        self._warming = True
+        # Inductor reads ``freezing`` outside the per-compile ``options`` scope, so it is set here,
+        # around the calls that compile (all of them happen in this warm-up).
+        try:
+            with (
+                torch._inductor.config.patch(freezing=bool(options.get("freezing", False))),
+                self._thread_cap(),
+            ):
+                self.forward_cached(torch.zeros(bucket, 1, dtype=torch.long), hid, hid, do_sample=True)
+        finally:
+            self._warming = False
+            self._compiled = None
+        return step
 
     # ------------------------------------------------------------------ forward
 
@@ -528,11 +583,13 @@ class CachedCodePredictor(nn.Module):
         codes[:, 0] = layer0_code.reshape(bsz)
         all_logits: list[torch.Tensor] | None = [] if return_logits else None
         with step_stats.timer(step_stats.PREDICTOR_LOOP), self._thread_cap():
-            padded = next((b for b in self.buckets if b >= bsz), 0) if self._compiled is not None else 0
+            padded = next((b for b in sorted(self._compiled or ()) if b >= bsz), 0)
             if padded:
                 try:
-                    self._loop(self._compiled, x, u, sampling, greedy, padded, codes, all_logits)
+                    self._loop(self._compiled[padded], x, u, sampling, greedy, padded, codes, all_logits)
                 except Exception as exc:  # noqa: BLE001 - a compiled step that fails must not fail serving
+                    if self._warming:  # warmup() decides: retry with other options, or eager
+                        raise
                     logger.warning("code predictor: compiled step failed, switching to eager: %r", exc)
                     self._compiled = None
                     self.compile_mode = "off"
@@ -689,6 +746,8 @@ __all__ = [
     "StackedHeads",
     "DEFAULT_BUCKETS",
     "INDUCTOR_OPTIONS",
+    "bucket_compile_options",
+    "stacked_linear",
     "rms_norm",
     "sample_codes",
 ]

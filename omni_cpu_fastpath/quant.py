@@ -39,7 +39,9 @@ the torch.ao dynamic modules hold fbgemm packed-weight script objects that Dynam
 eager; :func:`quantize_predictor` refuses them with an error naming both flags. ``w8-channel``,
 ``w8-bf16head`` and ``torchao-w8`` compile and match eager (tests/test_quant.py). A head table
 indexed as ``weight[step]`` by a tensor makes Inductor guard on a data-dependent value when the
-table is a frozen constant, so the int8 heads use ``index_select``.
+table is a frozen constant, and ``index_select`` would copy the head before the GEMM reads it, so
+the ``w8-channel`` and bf16 heads go through small custom ops (:func:`stacked_int8pack_mm`,
+``predictor.stacked_linear``) that the graph calls opaquely on a view of the table.
 
 Parity (``VLLM_OMNI_PREDICTOR_PARITY_CHECK=1``): :class:`ParityChecker` keeps a higher-precision
 copy of the predictor, runs it teacher-forced on the codes the served predictor produced, and
@@ -65,6 +67,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import envs, step_stats
+from .predictor import stacked_linear
 
 logger = logging.getLogger(__name__)
 
@@ -188,12 +191,27 @@ class Int8StackedHeads(nn.Module):
         self.register_buffer("scales", s.to(torch.bfloat16))
 
     def forward(self, h: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
-        # index_select, not [step]: a tensor subscript of a frozen constant makes Inductor guard on
-        # the (data-dependent) value and the compiled step fails.
-        idx = _step_index(step)
-        q = self.qweight.index_select(0, idx).squeeze(0)
-        s = self.scales.index_select(0, idx).squeeze(0)
-        return _int8pack_mm(h, q, s).to(h.dtype)
+        return stacked_int8pack_mm(h.to(torch.bfloat16), self.qweight, self.scales, _step_index(step)).to(
+            h.dtype
+        )
+
+
+@torch.library.custom_op("omni_cpu_fastpath::stacked_int8pack_mm", mutates_args=())
+def stacked_int8pack_mm(
+    x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor
+) -> torch.Tensor:
+    """``_weight_int8pack_mm(x, qtable[index], scales[index])`` on views of ``[S, N, K]`` tables.
+
+    Opaque to the compiler (as ``predictor.stacked_linear``): a tensor subscript of a frozen constant
+    makes Inductor guard on its value, and index_select would copy the head before reading it.
+    """
+    i = int(index.reshape(()))
+    return torch.ops.aten._weight_int8pack_mm(x, qtable[i], scales[i])
+
+
+@stacked_int8pack_mm.register_fake
+def _(x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], qtable.shape[1]))
 
 
 def _step_index(step: torch.Tensor | int) -> torch.Tensor:
@@ -361,8 +379,7 @@ class Bf16StackedHeads(nn.Module):
         self.register_buffer("weight", weight.detach().to(torch.bfloat16).contiguous())
 
     def forward(self, h: torch.Tensor, step: torch.Tensor | int = 0) -> torch.Tensor:
-        w = self.weight.index_select(0, _step_index(step)).squeeze(0)
-        return F.linear(h.to(torch.bfloat16), w).to(h.dtype)
+        return stacked_linear(h.to(torch.bfloat16), self.weight, _step_index(step).reshape(())).to(h.dtype)
 
 
 # An RMSNorm weight entry this many times the median magnitude marks an outlier channel; at most

@@ -15,7 +15,13 @@ import pytest
 import torch
 
 from omni_cpu_fastpath import envs, step_stats
-from omni_cpu_fastpath.predictor import CachedCodePredictor, sample_codes
+from omni_cpu_fastpath.predictor import (
+    INDUCTOR_OPTIONS,
+    CachedCodePredictor,
+    bucket_compile_options,
+    sample_codes,
+    stacked_linear,
+)
 
 STEPS = 15
 
@@ -277,7 +283,8 @@ def test_predictor_top_p_against_float64(tiny: dict) -> None:
 @pytest.fixture(scope="module")
 def compiled(tiny: dict) -> CachedCodePredictor:
     torch.set_num_threads(min(2, torch.get_num_threads()))
-    pred = CachedCodePredictor.from_stock(tiny["stock"], compile="step", buckets=(4,))
+    # Bucket 1 compiles with the CPP GEMM template alone, bucket 4 autotunes (bucket_compile_options).
+    pred = CachedCodePredictor.from_stock(tiny["stock"], compile="step", buckets=(1, 4))
     assert pred.compile_mode == "step", "compiling the tiny step failed (see the warning log)"
     return pred
 
@@ -296,6 +303,12 @@ def test_compiled_equals_eager(tiny: dict, compiled: CachedCodePredictor) -> Non
     top_p = compiled(**inp, top_p=0.7, top_k=0, generators=_gens(3))
     assert torch.equal(top_p, eager(**inp, top_p=0.7, top_k=0, generators=_gens(3)))
     assert not torch.equal(top_p, seeded)
+    one = {k: v[1:2] for k, v in tiny["inp"].items()}  # the batch-1 bucket
+    g1_e, l1_e = eager.forward_cached(**one, do_sample=False, return_logits=True)
+    g1_c, l1_c = compiled.forward_cached(**one, do_sample=False, return_logits=True)
+    assert torch.equal(g1_c, g1_e) and torch.equal(g1_c, g_e[1:2])
+    assert float((l1_c - l1_e).abs().max()) < 1e-5
+    assert torch.equal(compiled(**one, generators=_gens(1)), eager(**one, generators=_gens(1)))
     # one graph per shape: no recompilation on later calls
     assert compiled.compile_mode == "step"
 
@@ -313,7 +326,29 @@ def test_compile_failure_falls_back_to_eager(tiny: dict, caplog: pytest.LogCaptu
         )
     assert pred.compile_mode == "off"
     assert "torch.compile of the step failed" in caplog.text
-    assert torch.equal(pred(**tiny["inp"], do_sample=False), tiny["stock"](**tiny["inp"], do_sample=False))
+    assert "retrying" not in caplog.text  # options without GEMM backends: one attempt
+
+
+def test_batch1_bucket_tries_the_cpp_template_alone_then_with_aten(
+    tiny: dict, caplog: pytest.LogCaptureFixture
+) -> None:
+    assert [o["max_autotune_gemm_backends"] for o in bucket_compile_options(INDUCTOR_OPTIONS, 1)] == [
+        "CPP",
+        "CPP,ATEN",
+    ]
+    assert bucket_compile_options(INDUCTOR_OPTIONS, 8) == [INDUCTOR_OPTIONS]
+    custom = {"max_autotune_gemm_backends": "ATEN"}
+    assert bucket_compile_options(custom, 1) == [custom]
+    # Both attempts fail here (an unknown option): the retry is logged, then the eager fallback.
+    options = {"max_autotune_gemm_backends": "CPP,ATEN", "no_such_inductor_option": 1}
+    with caplog.at_level(logging.WARNING, logger="omni_cpu_fastpath.predictor"):
+        pred = CachedCodePredictor.from_stock(
+            tiny["stock"], compile="step", buckets=(1,), compile_options=options
+        )
+    text = caplog.text
+    assert "retrying with CPP,ATEN" in text and "torch.compile of the step failed" in text
+    assert text.index("retrying with CPP,ATEN") < text.index("torch.compile of the step failed")
+    assert pred.compile_mode == "off"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -403,3 +438,15 @@ def test_bad_arguments_raise_clearly(tiny: dict) -> None:
         CachedCodePredictor.from_stock(tiny["stock"], compile="full")
     with pytest.raises(ValueError, match="threads"):
         CachedCodePredictor.from_stock(tiny["stock"], threads=-1)
+
+
+def test_stacked_linear_reads_the_indexed_head() -> None:
+    # The op the compiled step calls for its head: x @ table[i].T against a float64 product, and
+    # a well-formed custom op (schema, fake tensor, compile) by torch.library's own checker.
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(15, 64, 32, generator=g)
+    x = torch.randn(3, 32, generator=g)
+    for i in (0, 7, 14):
+        want = (x.double() @ table[i].double().T).float()
+        torch.testing.assert_close(stacked_linear(x, table, torch.tensor(i)), want, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(stacked_linear, (x, table, torch.tensor(3)))

@@ -329,3 +329,17 @@ def test_prepare_served_predictor_from_flags(tiny_stock, tiny_inputs, monkeypatc
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_INT8", "off")
     same, none = quant.prepare_served_predictor(pred)
     assert same is pred and none is None
+
+
+def test_stacked_int8pack_mm_reads_the_indexed_head() -> None:
+    # x @ (q[i] * s[i]).T, computed in float64 from the same bf16 inputs; bf16 output rounding only.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-127, 128, (15, 64, 128), generator=g, dtype=torch.int8)
+    s = (torch.rand(15, 64, generator=g) / 100).to(torch.bfloat16)
+    x = torch.randn(2, 128, generator=g).to(torch.bfloat16)
+    for i in (0, 9, 14):
+        want = x.double() @ (q[i].double() * s[i].double()[:, None]).T
+        got = quant.stacked_int8pack_mm(x, q, s, torch.tensor([i]))
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
+    torch.library.opcheck(quant.stacked_int8pack_mm, (x, q, s, torch.tensor([2])))

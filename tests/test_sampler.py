@@ -464,3 +464,75 @@ def test_bench_cli_json(capsys) -> None:
         stock_row = next(r for r in rows if r["impl"] == "vllm" and r["seeded"] == seeded)
         cpu_row = next(r for r in rows if r["impl"] == "cpu" and r["seeded"] == seeded)
         assert cpu_row["speedup"] == pytest.approx(stock_row["ms_per_step"] / cpu_row["ms_per_step"])
+
+
+# --- the talker's fast path (numpy on the logits' memory) ------------------------------------------
+
+TALKER = dict(temperature=0.9, top_k=8, top_p=1.0, repetition_penalty=1.2)
+
+
+def test_fast_path_is_taken_only_for_the_talker_parameters() -> None:
+    fast, logits = CpuSampler(), torch.zeros(2, 40)
+
+    def applies(**kw) -> bool:
+        params = [SamplingParams(**{**TALKER, **kw}) for _ in range(2)]
+        return fast._fast_path_applies(logits, make_input_batch(params, 40).sampling_metadata)
+
+    assert applies() and applies(seed=3) and applies(temperature=0.0)
+    assert not applies(top_p=0.9)
+    assert not applies(logprobs=2)
+    assert not applies(frequency_penalty=0.5)
+    assert not applies(presence_penalty=0.5)
+    mixed = [SamplingParams(**TALKER), SamplingParams(**{**TALKER, "top_k": 5})]
+    assert not fast._fast_path_applies(logits, make_input_batch(mixed, 40).sampling_metadata)
+
+
+@pytest.mark.parametrize("batch", [1, 6])
+def test_fast_path_bit_equal_with_ties_and_greedy_rows(stock, batch: int) -> None:
+    # Rounded logits tie at the k-th value; row 1 (when there is one) is greedy.
+    rng = random.Random(batch)
+    fast = CpuSampler()
+    for step in range(6):
+        params = [
+            SamplingParams(**{**TALKER, "temperature": 0.0 if r == 1 else 0.9}, seed=100 * step + r)
+            for r in range(batch)
+        ]
+        prompts = [[rng.randrange(VOCAB) for _ in range(16)] for _ in range(batch)]
+        outputs = [[rng.randrange(VOCAB) for _ in range(24)] for _ in range(batch)]
+        md = make_input_batch(params, VOCAB, prompts, outputs).sampling_metadata
+        logits = (torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(step)) * 3).round()
+        assert fast._fast_path_applies(logits, md)
+        run_both(stock["raw_logprobs"], fast, logits, md)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ties", [False, True])
+def test_fast_path_without_generators_follows_the_distribution(ties: bool) -> None:
+    # vLLM draws these rows in compiled code: compare with the float64 distribution instead, for a
+    # large batch (numpy draw) and for single-row calls (the batch-1 draw); with ties at the k-th
+    # value the tied tokens must all stay in.
+    vocab, n = 40, 3000
+    rng = random.Random(41)
+    prompt = [rng.randrange(vocab) for _ in range(10)]
+    out = [rng.randrange(vocab) for _ in range(15)]
+    p = SamplingParams(**TALKER)
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(41)) * 2
+    if ties:
+        row = row.round()
+        kth = torch.topk(row, p.top_k).values[-1]
+        assert int((row >= kth).sum()) > p.top_k, "the case must have ties at the k-th value"
+    want = processed_probs64(row, p, prompt, out)
+    fast = CpuSampler()
+    torch.manual_seed(77)
+    md = make_input_batch([p] * n, vocab, [prompt] * n, [out] * n).sampling_metadata
+    logits = row.expand(n, vocab).contiguous()
+    assert fast._fast_path_applies(logits, md)
+    batched = fast(logits, md).sampled_token_ids[:, 0]
+    md1 = make_input_batch([p], vocab, [prompt], [out]).sampling_metadata
+    single = torch.cat([fast(row[None].clone(), md1).sampled_token_ids[:, 0] for _ in range(n)])
+    wrong = processed_probs64(row, _with(p, temperature=0.6), prompt, out)
+    for name, tokens in (("batched", batched), ("single-row", single)):
+        counts = torch.bincount(tokens, minlength=vocab)
+        pval = chi2_pvalue(counts, want)
+        assert pval > 1e-4, f"{name}: samples do not follow the processed distribution (p={pval:.2e})"
+        assert chi2_pvalue(counts, wrong) < 1e-6, f"{name}: the test cannot tell temperature 0.9 from 0.6"
