@@ -417,13 +417,14 @@ class CpuSampler(nn.Module):
             vocab = arr.shape[1]
             k = vocab if md.top_k is None else int(_uniform_top_k(md))  # type: ignore[arg-type]
             if 0 < k < vocab:
-                values, indices = logits.topk(k, dim=1)
-                kth = values.numpy()[:, -1:]
-                if md.generators or (np.count_nonzero(arr >= kth, axis=1) > k).any():
+                # k + 1 entries: the (k+1)-th equal to the k-th means a tie at the threshold.
+                values, indices = (t.numpy() for t in logits.topk(k + 1, dim=1))
+                kth = values[:, k - 1 : k]
+                if md.generators or (values[:, k : k + 1] == kth).any():
                     # Seeded rows need the full masked row; ties at the k-th value keep them all.
                     arr[arr < kth] = -np.inf
                 else:
-                    top = values.numpy(), indices.numpy()
+                    top = values[:, :k], indices[:, :k]
         with step_stats.timer(DRAW):
             if md.generators:
                 probs = logits.softmax(dim=-1, dtype=torch.float32)
