@@ -438,8 +438,7 @@ class CachedCodePredictor(nn.Module):
                     compiled[b] = self._compile_bucket(b, options)
                     break
                 except Exception as exc:  # noqa: BLE001 - any compiler failure: retry or run eager
-                    self._compiled = None
-                    if i + 1 < len(attempts):
+                    if i + 1 < len(attempts):  # (_compile_bucket has already dropped its step)
                         logger.warning(
                             "code predictor: compiling bucket %d with GEMM backends %s failed (%r); "
                             "retrying with %s",
