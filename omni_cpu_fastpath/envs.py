@@ -107,6 +107,12 @@ FLAGS: dict[str, Flag] = {
             "Sample the talker's first codebook with the compile-free CpuSampler (auto: on on CPU).",
         ),
         Flag(
+            "VLLM_OMNI_CPU_SAMPLER_KERNEL",
+            "bool",
+            "1",
+            "CpuSampler takes the talker's step through its C kernel when built (0: the numpy path).",
+        ),
+        Flag(
             "VLLM_OMNI_STEP_STATS_DIR",
             "path",
             "",

@@ -26,11 +26,20 @@ vLLM's functions), and samples a small batch with one torch thread (``max_thread
    greedy token;
 6. logprobs of the top ``max_num_logprobs`` and the sampled token, or of ``logprob_token_ids``.
 
-The talker's own step (one top-k for all sampling rows, at most a repetition penalty, no top-p,
-logprobs, masks or bad words: :meth:`CpuSampler._fast_path_applies`) takes a shorter road, the
-same arithmetic in numpy on the logits' memory: a numpy op on one 3072-entry row costs about a fifth
-of a tensor op, and those per-op costs are the whole step at batch 1. Unseeded rows then draw by
-inverse CDF over just the top-k entries (all rows tied at the k-th value included).
+A talker-like step (no logprobs, allowed-ids mask, bad words, top-p, thinking budget or fp64
+noise: :meth:`CpuSampler.path`) takes a shorter road, because at batch 1 the per-call costs of
+~20 tensor/numpy ops are the whole step:
+
+- "kernel": one call into the C kernel (``_sampler_kernel.c``, built by ``setup.py``) does the
+  penalties (all three), greedy argmax, temperature, per-row top-k and, for rows without a
+  generator, an inverse-CDF draw over the kept entries (one uniform per row from torch's default
+  generator). With generators it masks below the k-th value instead and the rows draw as vLLM
+  does. Needs min-p off (it sits between temperature and top-k). ``VLLM_OMNI_CPU_SAMPLER_KERNEL=0``
+  turns it off; where it was not built CpuSampler logs why and takes the numpy road.
+- "numpy": the same arithmetic in numpy on the logits' memory, for at most a repetition penalty
+  and one top-k for all sampling rows; unseeded rows draw by inverse CDF over the top-k entries.
+
+Both do vLLM's float32 operations on the same values, so everything up to the draw is bit-equal.
 
 Results equal vLLM's Sampler bit for bit whenever vLLM draws eagerly, i.e. when some row has a
 per-request generator or with fp64 noise (and every generator is left in the same state). With no
@@ -67,7 +76,7 @@ Step timers (``omni_cpu_fastpath.step_stats``): ``model.sample_ms`` (the whole c
 ``sampler.processors_ms`` (allowed ids, bad words, non-argmax-invariant processors),
 ``sampler.penalties_ms`` (penalties, thinking budget), ``sampler.topk_topp_ms`` (temperature,
 argmax-invariant processors, top-k / top-p, processed logprobs), ``sampler.draw_ms`` (softmax,
-noise and argmax, or the inverse-CDF draw).
+noise and argmax, or the inverse-CDF draw); on the kernel road the kernel times its own phases.
 """
 
 from __future__ import annotations
@@ -83,13 +92,22 @@ import torch
 import torch.nn as nn
 from vllm.config.model import LogprobsMode
 from vllm.v1.outputs import LogprobsTensors, SamplerOutput
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.metadata import SamplingMetadata
 from vllm.v1.sample.ops.bad_words import apply_bad_words
 from vllm.v1.sample.ops.penalties import _convert_to_tensors
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch, sample_with_exponential_noise
 from vllm.v1.sample.sampler import Sampler
 
-from . import noise, step_stats
+from . import envs, noise, step_stats
+
+try:  # CpuSampler's C kernel (setup.py builds it; optional where no C compiler was found)
+    from . import _sampler_kernel
+except ImportError as _exc:
+    _sampler_kernel = None
+    KERNEL_MISSING = f"the C kernel is not built ({type(_exc).__name__}: {_exc})"
+else:
+    KERNEL_MISSING = ""
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +124,7 @@ METADATA = "sampler.metadata_ms"
 # Largest batch x vocab sampled under the thread cap (85 rows of the talker's 3072 entries).
 SMALL_STEP = 1 << 18
 
+_PENALTY_VECTORS = ("repetition_penalties", "frequency_penalties", "presence_penalties")
 _LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -264,6 +283,14 @@ def _sampler_output(tokens: np.ndarray) -> SamplerOutput:
     return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
 
 
+def _is_cpu_vector(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    return t.dtype == dtype and t.device.type == "cpu" and t.dim() == 1 and t.stride(0) == 1
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 def _any(values: torch.Tensor, neutral: float) -> bool:
     # A per-row parameter differing from its no-op value; numpy avoids two tensor ops per check.
     if values.device.type == "cpu":
@@ -279,6 +306,7 @@ class CpuSampler(nn.Module):
         logprobs_mode: LogprobsMode = "raw_logprobs",
         use_fp64_gumbel: bool = False,
         max_threads: int | None = 1,
+        kernel: bool | None = None,
     ) -> None:
         super().__init__()
         if logprobs_mode not in _LOGPROBS_MODES:
@@ -291,6 +319,16 @@ class CpuSampler(nn.Module):
         # microseconds of work; an OpenMP region over it (softmax opens one from 2 rows up) costs
         # more, and on a busy CPU a worker thread waiting for its core costs milliseconds.
         self.max_threads = max_threads
+        # The talker's step through the C kernel (None: VLLM_OMNI_CPU_SAMPLER_KERNEL decides).
+        want = envs.get("VLLM_OMNI_CPU_SAMPLER_KERNEL") if kernel is None else bool(kernel)
+        self.kernel = _sampler_kernel if want else None
+        if not want:
+            self.kernel_status = "numpy (C kernel off: VLLM_OMNI_CPU_SAMPLER_KERNEL=0)"
+        elif self.kernel is None:
+            self.kernel_status = f"numpy ({KERNEL_MISSING}; reinstall with a C compiler to build it)"
+            logger.warning("CpuSampler: %s; the talker's step takes the numpy path", KERNEL_MISSING)
+        else:
+            self.kernel_status = "C kernel"
 
     def forward(
         self,
@@ -319,7 +357,10 @@ class CpuSampler(nn.Module):
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
         if not predict_bonus_token and self._fast_path_applies(logits, md):
-            return self._forward_fast(logits, md)
+            if self.kernel is not None and self._kernel_applies(md):
+                return self._forward_kernel(logits, md)
+            if self._numpy_path_applies(md):
+                return self._forward_fast(logits, md)
         logprobs_mode = logprobs_mode_override or self.logprobs_mode
         num_logprobs = md.max_num_logprobs
         # As vLLM: top-k logprobs come from the logits before any processing.
@@ -360,13 +401,21 @@ class CpuSampler(nn.Module):
 
     # ------------------------------------------------------------------ the talker's fast path
 
+    def path(self, logits: torch.Tensor, md: SamplingMetadata) -> str:
+        """Which road a step takes: "kernel", "numpy" (the talker's step) or "general"."""
+        if self._fast_path_applies(logits, md):
+            if self.kernel is not None and self._kernel_applies(md):
+                return "kernel"
+            if self._numpy_path_applies(md):
+                return "numpy"
+        return "general"
+
     def _fast_path_applies(self, logits: torch.Tensor, md: SamplingMetadata) -> bool:
-        """The talker's step: no logprobs, masks, bad words, top-p, thinking budget; at most a
-        repetition penalty and one top-k for all rows; float32 contiguous logits on CPU."""
+        """A talker-like step: no logprobs, masks, bad words, top-p, thinking budget or fp64
+        noise; floating-point logits on CPU."""
         if (
             logits.device.type != "cpu"
-            or logits.dtype != torch.float32
-            or not logits.is_contiguous()
+            or not logits.is_floating_point()
             or self.use_fp64_gumbel
             or md.max_num_logprobs is not None
             or md.logprob_token_ids
@@ -376,8 +425,37 @@ class CpuSampler(nn.Module):
         ):
             return False
         holder = md.thinking_budget_state_holder
-        if holder is not None and holder.has_tracked_requests():
+        return holder is None or not holder.has_tracked_requests()
+
+    @staticmethod
+    def _kernel_applies(md: SamplingMetadata) -> bool:
+        """The C kernel takes any penalties and per-row top-k; argmax-invariant processors run
+        between temperature and top-k, so none may be active (vLLM's min-p, off unless asked)."""
+        for processor in md.logitsprocs.argmax_invariant:
+            if type(processor) is not MinPLogitsProcessor or processor.min_p_count:
+                return False
+        if md.temperature is not None and not _is_cpu_vector(md.temperature, torch.float32):
             return False
+        if md.top_k is not None and not _is_cpu_vector(md.top_k, torch.int32):
+            return False
+        if md.no_penalties:
+            return True
+        prompt = md.prompt_token_ids
+        return (
+            prompt is not None
+            and prompt.dtype == torch.int64
+            and prompt.device.type == "cpu"
+            and prompt.dim() == 2
+            and prompt.stride(1) == 1
+            and all(
+                _is_cpu_vector(t, torch.float32)
+                for t in (md.repetition_penalties, md.frequency_penalties, md.presence_penalties)
+            )
+        )
+
+    @staticmethod
+    def _numpy_path_applies(md: SamplingMetadata) -> bool:
+        """The numpy path: at most a repetition penalty, one top-k for all sampling rows."""
         if not md.no_penalties and (
             md.prompt_token_ids is None
             or _any(md.frequency_penalties, 0.0)
@@ -386,18 +464,78 @@ class CpuSampler(nn.Module):
             return False
         return md.all_greedy or md.top_k is None or _uniform_top_k(md) is not None
 
+    def _forward_kernel(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """Steps 2-5 for a talker-like step in one C call (``_sampler_kernel.c``): penalties,
+        greedy argmax, temperature, top-k and, for rows without a generator, the inverse-CDF
+        draw (one uniform per row from torch's default generator). With generators the kernel
+        masks below the k-th value and the rows draw as vLLM does (softmax, exponential noise)."""
+        with step_stats.timer(PROCESSORS):
+            logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
+            for processor in md.logitsprocs.non_argmax_invariant:
+                logits = processor.apply(logits)
+            logits = logits.contiguous()
+        rows, vocab = logits.shape
+        if md.temperature is None and not md.all_greedy:
+            raise ValueError("sampling_metadata has random rows but no temperature")
+        penalties = not md.no_penalties
+        prompt = md.prompt_token_ids if penalties else None
+        if prompt is not None and (prompt.shape[0] < rows or len(md.output_token_ids) < rows):
+            raise ValueError(
+                f"sampling_metadata has {prompt.shape[0]} prompt rows and {len(md.output_token_ids)} "
+                f"output rows for {rows} rows of logits"
+            )
+        vectors = ("temperature", "top_k") + (_PENALTY_VECTORS if penalties else ())
+        for name in vectors:
+            t = getattr(md, name)
+            if t is not None and t.shape[0] < rows:
+                raise ValueError(f"sampling_metadata.{name} has {t.shape[0]} entries for {rows} rows")
+        seeded = bool(md.generators) and not md.all_greedy
+        uniforms = None if seeded or md.all_greedy else torch.rand(rows, dtype=torch.float64)
+        tokens = torch.empty((rows, 1), dtype=torch.int32)
+        phase_ns = np.zeros(3, dtype=np.int64) if step_stats.enabled() else None
+        self.kernel.sample_rows(
+            logits.data_ptr(),
+            rows,
+            vocab,
+            _ptr(prompt),
+            0 if prompt is None else prompt.stride(0),
+            0 if prompt is None else prompt.shape[1],
+            md.output_token_ids if penalties else None,
+            _ptr(md.repetition_penalties) if penalties else None,
+            _ptr(md.frequency_penalties) if penalties else None,
+            _ptr(md.presence_penalties) if penalties else None,
+            None if md.all_greedy else _ptr(md.temperature),
+            _ptr(md.top_k),
+            _ptr(uniforms),
+            tokens.data_ptr(),
+            None if phase_ns is None else phase_ns.ctypes.data,
+        )
+        if phase_ns is not None:
+            for name, ns in zip((PENALTIES, TOPK_TOPP, DRAW), phase_ns.tolist(), strict=True):
+                step_stats.record(name, ns / 1e6)
+        if seeded:
+            with step_stats.timer(DRAW):
+                probs = logits.softmax(dim=-1, dtype=torch.float32)
+                q = noise.sampler_exponentials(rows, vocab, md.generators)
+                random = sample_with_exponential_noise(probs, q).view(-1, 1)
+                # The kernel gave greedy rows their token and the others -1.
+                tokens = torch.where(tokens >= 0, tokens, random.to(torch.int32))
+        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+
     def _forward_fast(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """Steps 2-5 for the talker's parameters with numpy on the logits' memory (a numpy op on
         one 3072-entry row costs ~1 us, a tensor op ~5 us). Same float32 arithmetic as vLLM
         (IEEE products and quotients), so everything up to the draw is bit-equal; seeded rows
         then draw exactly as vLLM does, unseeded rows by inverse CDF over the top-k entries."""
         with step_stats.timer(PROCESSORS):
+            logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
             for processor in md.logitsprocs.non_argmax_invariant:
                 logits = processor.apply(logits)
+            logits = logits.contiguous()
         if not md.no_penalties:
             with step_stats.timer(PENALTIES):
                 logits = _repetition_penalty_sparse(
-                    logits.contiguous(), md.prompt_token_ids, md.repetition_penalties, md.output_token_ids
+                    logits, md.prompt_token_ids, md.repetition_penalties, md.output_token_ids
                 )
         arr = logits.numpy()
         greedy = None if md.all_random else arr.argmax(axis=1)

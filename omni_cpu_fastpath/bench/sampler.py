@@ -6,6 +6,8 @@ temperature 0.9, top-k 50, top-p 1.0, repetition penalty 1.05, a 32-token prompt
 history; once with a seeded generator per request and once without. The first call (vLLM's
 includes its ``torch.compile`` when inductor's on-disk cache is cold) is reported apart from the
 steady-state ms per step; ``speedup`` is the stock ms per step over this row's, same run.
+``cpu`` is CpuSampler as served (its C kernel), ``cpu-numpy`` its numpy fallback; ``path`` says
+which road the step took (``CpuSampler.path``).
 """
 
 from __future__ import annotations
@@ -135,36 +137,41 @@ def time_steps(
 
 def run(vocab: int = 3072, batches: Sequence[int] = (1, 8), steps: int = 200) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
-    stock, fast = stock_sampler(), CpuSampler()
+    stock = stock_sampler()
+    # "cpu": CpuSampler as served (its C kernel); "cpu-numpy": its fallback when the kernel is off.
+    ours = {"cpu": CpuSampler(kernel=True), "cpu-numpy": CpuSampler(kernel=False)}
     threads = torch.get_num_threads()
     for seeded in (False, True):
         for b in batches:
             md = talker_batch(b, vocab, seeded).sampling_metadata
             g = torch.Generator().manual_seed(b)
             logits = [torch.randn(b, vocab, generator=g) * 3 for _ in range(16)]
-            first_s, ms_s, mean_s = time_steps(stock, logits, md, steps)
-            first_f, ms_f, mean_f = time_steps(fast, logits, md, steps)
             common = {"batch": b, "vocab": vocab, "seeded": seeded, "steps": steps, "threads": threads}
+            first_s, ms_s, mean_s = time_steps(stock, logits, md, steps)
             rows.append(
                 {
                     "impl": "vllm",
                     **common,
+                    "path": "vllm",
                     "ms_per_step": ms_s,
                     "mean_ms": mean_s,
                     "first_call_ms": first_s,
                     "speedup": 1.0,
                 }
             )
-            rows.append(
-                {
-                    "impl": "cpu",
-                    **common,
-                    "ms_per_step": ms_f,
-                    "mean_ms": mean_f,
-                    "first_call_ms": first_f,
-                    "speedup": ms_s / ms_f,
-                }
-            )
+            for impl, sampler in ours.items():
+                first, ms, mean = time_steps(sampler, logits, md, steps)
+                rows.append(
+                    {
+                        "impl": impl,
+                        **common,
+                        "path": sampler.path(logits[0], md),
+                        "ms_per_step": ms,
+                        "mean_ms": mean,
+                        "first_call_ms": first,
+                        "speedup": ms_s / ms,
+                    }
+                )
     return rows
 
 
@@ -193,11 +200,11 @@ def cli(args: argparse.Namespace) -> int:
         return 0
     print(f"sampler, vocab {args.vocab}, {args.steps} steps, {torch.get_num_threads()} threads (median ms)")
     print(
-        f"{'impl':<6} {'batch':>5} {'seeded':>6} {'ms/step':>9} {'mean':>8} {'first ms':>10} {'speedup':>8}"
+        f"{'impl':<10} {'batch':>5} {'seeded':>6} {'ms/step':>9} {'mean':>8} {'first ms':>10} {'speedup':>8}"
     )
     for r in rows:
         print(
-            f"{r['impl']:<6} {r['batch']:>5} {r['seeded']!s:>6} {r['ms_per_step']:>9.3f} "
+            f"{r['impl']:<10} {r['batch']:>5} {r['seeded']!s:>6} {r['ms_per_step']:>9.3f} "
             f"{r['mean_ms']:>8.3f} {r['first_call_ms']:>10.1f} {r['speedup']:>8.2f}"
         )
     return 0
