@@ -1,12 +1,13 @@
-/* The talker's sampling step in one pass per row: CpuSampler's native kernel.
+/* CpuSampler's native kernel: the talker's sampling step in one pass per row (sample_rows), and
+ * vLLM's seeded exponential-noise draw from torch generator states (exponential_race, below).
  *
  * At batch 1 a [1, 3072] sampling step is microseconds of arithmetic and ~20 library calls of
  * Python/ATen/numpy dispatch; this kernel does the arithmetic in one call, with vLLM 0.30's
  * Sampler semantics (omni_cpu_fastpath/sampler.py states them and calls this):
  *
- *   1. penalties, in place: repetition on tokens seen in the prompt or the output
- *      (logit * (1 / p) when the logit is > 0, else logit * p), then frequency (logit -= f * count)
- *      and presence (logit -= r for tokens in the output); each distinct token once;
+ *   1. penalties, in place: repetition once on each token seen in the prompt or the output
+ *      (logit * (1 / p) when the logit is > 0, else logit * p), then, when a row has them,
+ *      frequency (logit -= f * count) and presence (logit -= r * in_output) over the row;
  *   2. greedy rows (no temperatures given, or temperature < 1e-5): the first index of the max;
  *   3. other rows: logits /= temperature in place, then the k-th largest value (top-k, counted
  *      with multiplicity as torch.topk counts it) is the threshold: every entry >= it is kept;
@@ -276,8 +277,202 @@ static PyObject *sample_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_RETURN_NONE;
 }
 
+/* ---- vLLM's seeded draw: argmax(probs / q), q exponential noise from a torch CPU generator ----
+ *
+ * ATen's CPU exponential_ (the serial default kernel, no MKL) takes one 64-bit word per entry from
+ * the generator's mt19937 (two 32-bit outputs, first one high), makes a uniform double
+ * u = (word & (2^53 - 1)) * 2^-53 and returns (float)(-log(1 - u)). Here the same words are taken
+ * from a copy of the generator's state (Generator.get_state(): a THGeneratorState), so the state
+ * written back is the one exponential_ leaves; the log is only computed where probs > 0, since
+ * elsewhere probs / q is 0 (or NaN when q is -0.0, u = 0). omni_cpu_fastpath.sampler checks the
+ * whole once per process against torch and falls back to torch's own draw if they ever differ. */
+
+#define MT_N 624
+#define MT_M 397
+#define STATE_BYTES 5056   /* sizeof(CPUGeneratorImplState) in torch 2.x */
+#define STATE_LEFT 8       /* int left */
+#define STATE_NEXT 16      /* uint64 next */
+#define STATE_WORDS 24     /* uint64 state[624] */
+#define RACE_CHUNK 1024    /* entries whose random words are made at once */
+
+typedef struct {
+    uint32_t state[MT_N];
+    int left;
+    uint32_t next;
+} mt19937;
+
+static inline uint32_t mt_twist(uint32_t u, uint32_t v) {
+    return (((u & 0x80000000u) | (v & 0x7fffffffu)) >> 1) ^ ((v & 1u) ? 0x9908b0dfu : 0u);
+}
+
+static void mt_next_state(mt19937 *mt) {
+    uint32_t *p = mt->state;
+    mt->left = MT_N;
+    mt->next = 0;
+    for (int j = MT_N - MT_M + 1; --j; p++) *p = p[MT_M] ^ mt_twist(p[0], p[1]);
+    for (int j = MT_M; --j; p++) *p = p[MT_M - MT_N] ^ mt_twist(p[0], p[1]);
+    *p = p[MT_M - MT_N] ^ mt_twist(p[0], mt->state[0]);
+}
+
+static inline uint32_t mt_next(mt19937 *mt) {
+    if (--mt->left == 0) mt_next_state(mt);
+    uint32_t y = mt->state[mt->next++];
+    y ^= y >> 11;
+    y ^= (y << 7) & 0x9d2c5680u;
+    y ^= (y << 15) & 0xefc60000u;
+    y ^= y >> 18;
+    return y;
+}
+
+/* n outputs into out, as n calls of mt_next would give them; the tempering loop over the words
+ * available before the next refill vectorizes. */
+static void mt_fill(mt19937 *mt, uint32_t *out, Py_ssize_t n) {
+    while (n > 0) {
+        Py_ssize_t avail = mt->left - 1; /* outputs before the one that refills */
+        if (avail == 0) {
+            out[0] = mt_next(mt);
+            out++;
+            n--;
+            continue;
+        }
+        const Py_ssize_t m = avail < n ? avail : n;
+        const uint32_t *src = mt->state + mt->next;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            uint32_t y = src[i];
+            y ^= y >> 11;
+            y ^= (y << 7) & 0x9d2c5680u;
+            y ^= (y << 15) & 0xefc60000u;
+            y ^= y >> 18;
+            out[i] = y;
+        }
+        mt->left -= (int)m;
+        mt->next += (uint32_t)m;
+        out += m;
+        n -= m;
+    }
+}
+
+/* Advances past n outputs without tempering them: the state exponential_ leaves after n / 2
+ * entries it does not need to see. A refill happens on the output that finds left == 1. */
+static void mt_skip(mt19937 *mt, uint64_t n) {
+    while (n > 0) {
+        if ((uint64_t)(mt->left - 1) >= n) {
+            mt->left -= (int)n;
+            mt->next += (uint32_t)n;
+            return;
+        }
+        n -= (uint64_t)(mt->left - 1);
+        mt_next_state(mt); /* left = N, next = 0; this output takes state[0] */
+        mt->next = 1;
+        n -= 1;
+    }
+}
+
+static int mt_load(mt19937 *mt, const uint8_t *bytes) {
+    int32_t left;
+    uint64_t next, word;
+    memcpy(&left, bytes + STATE_LEFT, sizeof left);
+    memcpy(&next, bytes + STATE_NEXT, sizeof next);
+    /* left - 1 words remain before the next refill, from next on: all inside the state. */
+    if (left < 1 || left > MT_N || next > MT_N || next + (uint64_t)left - 1 > MT_N) return -1;
+    mt->left = left;
+    mt->next = (uint32_t)next;
+    for (int i = 0; i < MT_N; i++) {
+        memcpy(&word, bytes + STATE_WORDS + 8 * i, sizeof word);
+        mt->state[i] = (uint32_t)word;
+    }
+    return 0;
+}
+
+static void mt_store(const mt19937 *mt, uint8_t *bytes) {
+    const int32_t left = mt->left;
+    const uint64_t next = mt->next;
+    memcpy(bytes + STATE_LEFT, &left, sizeof left);
+    memcpy(bytes + STATE_NEXT, &next, sizeof next);
+    for (int i = 0; i < MT_N; i++) {
+        const uint64_t word = mt->state[i];
+        memcpy(bytes + STATE_WORDS + 8 * i, &word, sizeof word);
+    }
+}
+
+PyDoc_STRVAR(exponential_race_doc,
+             "exponential_race(probs, rows, vocab, state, state_bytes, score_rows, tokens) -> None\n\n"
+             "Draws rows x vocab exponentials as exponential_ would from the generator whose\n"
+             "get_state() bytes are at state (updated in place); for the rows flagged in score_rows\n"
+             "(uint8 [rows]; None: all) writes tokens[r] = argmax(probs[r] / q[r]) (int32), as vLLM's\n"
+             "sample_with_exponential_noise. probs: float32 [rows, vocab]. Pointers as integers.");
+
+static PyObject *exponential_race(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "exponential_race takes 7 arguments, got %zd", nargs);
+        return NULL;
+    }
+    int failed = 0;
+    const float *probs = as_pointer(args[0], &failed);
+    Py_ssize_t rows = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t vocab = PyLong_AsSsize_t(args[2]);
+    uint8_t *state = as_pointer(args[3], &failed);
+    Py_ssize_t state_bytes = PyLong_AsSsize_t(args[4]);
+    const uint8_t *score_rows = as_pointer(args[5], &failed);
+    int32_t *tokens = as_pointer(args[6], &failed);
+    if (failed || PyErr_Occurred()) return NULL;
+    if (!probs || !state || !tokens || rows < 1 || vocab < 1) {
+        PyErr_SetString(PyExc_ValueError, "exponential_race needs probs, state, tokens, rows >= 1, vocab >= 1");
+        return NULL;
+    }
+    mt19937 mt;
+    if (state_bytes != STATE_BYTES || mt_load(&mt, state) < 0) {
+        PyErr_Format(PyExc_ValueError, "exponential_race: not a torch CPU generator state (%zd bytes)", state_bytes);
+        return NULL;
+    }
+    for (Py_ssize_t r = 0; r < rows; r++) {
+        if (score_rows && !score_rows[r]) {
+            mt_skip(&mt, 2 * (uint64_t)vocab);
+            continue;
+        }
+        const float *p = probs + r * vocab;
+        Py_ssize_t best = 0;
+        float top = 0.0f;
+        int have = 0;
+        uint32_t words[2 * RACE_CHUNK];
+        for (Py_ssize_t j0 = 0; j0 < vocab; j0 += RACE_CHUNK) {
+            const Py_ssize_t m = vocab - j0 < RACE_CHUNK ? vocab - j0 : RACE_CHUNK;
+            mt_fill(&mt, words, 2 * m);
+            for (Py_ssize_t i = 0; i < m; i++) {
+                /* One 64-bit word per entry, the first output high; u uses its low 53 bits. */
+                const uint64_t bits = (((uint64_t)words[2 * i] << 32) | words[2 * i + 1]) & ((UINT64_C(1) << 53) - 1);
+                const float pj = p[j0 + i];
+                float score;
+                if (pj == 0.0f) {
+                    score = bits == 0 ? NAN : 0.0f; /* 0 / q, and 0 / -0.0 (u = 0) is NaN */
+                } else {
+                    const double u = (double)bits * (1.0 / (double)(UINT64_C(1) << 53));
+                    score = pj / (float)(-log(1.0 - u));
+                }
+                /* torch.argmax: the first maximum, or the first NaN. */
+                if (isnan(score)) {
+                    if (!have || !isnan(top)) {
+                        top = score;
+                        best = j0 + i;
+                        have = 1;
+                    }
+                } else if (!have || (!isnan(top) && score > top)) {
+                    top = score;
+                    best = j0 + i;
+                    have = 1;
+                }
+            }
+        }
+        tokens[r] = (int32_t)best;
+    }
+    mt_store(&mt, state);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"sample_rows", (PyCFunction)(void (*)(void))sample_rows, METH_FASTCALL, sample_rows_doc},
+    {"exponential_race", (PyCFunction)(void (*)(void))exponential_race, METH_FASTCALL, exponential_race_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -33,9 +33,13 @@ noise: :meth:`CpuSampler.path`) takes a shorter road, because at batch 1 the per
 - "kernel": one call into the C kernel (``_sampler_kernel.c``, built by ``setup.py``) does the
   penalties (all three), greedy argmax, temperature, per-row top-k and, for rows without a
   generator, an inverse-CDF draw over the kept entries (one uniform per row from torch's default
-  generator). With generators it masks below the k-th value instead and the rows draw as vLLM
-  does. Needs min-p off (it sits between temperature and top-k). ``VLLM_OMNI_CPU_SAMPLER_KERNEL=0``
-  turns it off; where it was not built CpuSampler logs why and takes the numpy road.
+  generator). With generators it masks below the k-th value instead; the rows then draw vLLM's
+  ``argmax(probs / q)`` with ``q`` taken from the generators' own mt19937 streams as ATen's
+  ``exponential_`` takes them (:func:`_exponential_race`: bit-equal tokens and generator states,
+  the log computed only where ``probs > 0``; checked against torch once per process, torch's own
+  draw otherwise; every seeded draw of CpuSampler goes this way). Needs min-p off (it sits
+  between temperature and top-k). ``VLLM_OMNI_CPU_SAMPLER_KERNEL=0`` turns the kernel off; where
+  it was not built CpuSampler logs why and takes the numpy road.
 - "numpy": the same arithmetic in numpy on the logits' memory, for at most a repetition penalty
   and one top-k for all sampling rows; unseeded rows draw by inverse CDF over the top-k entries.
 
@@ -82,6 +86,7 @@ noise and argmax, or the inverse-CDF draw); on the kernel road the kernel times 
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import logging
 import math
@@ -283,6 +288,72 @@ def _sampler_output(tokens: np.ndarray) -> SamplerOutput:
     return SamplerOutput(sampled_token_ids=ids, logprobs_tensors=None)
 
 
+def _exponential_race(
+    kernel: Any, probs: torch.Tensor, generators: dict[int, torch.Generator], tokens: torch.Tensor
+) -> torch.Tensor:
+    """``argmax(probs / q)`` into the rows of ``tokens`` ([rows, 1] int32) that hold -1, with
+    ``q`` drawn as :func:`noise.sampler_exponentials` draws it (vLLM's CPU path: the default
+    generator over the whole batch, then each seeded row from its own generator), by the C
+    kernel on copies of the generators' states, which are then set back. Rows already decided
+    (greedy: a token >= 0) keep it, their noise still consumed. Bit-equal tokens and states;
+    the log of the noise is only computed where ``probs > 0`` (~50 of 3072 entries after top-k)."""
+    rows, vocab = probs.shape
+    probs = probs.contiguous()
+    base, row_bytes, out = probs.data_ptr(), vocab * probs.element_size(), tokens.data_ptr()
+    open_rows = tokens.numpy()[:, 0] < 0
+    # Rows with their own generator only advance the default one (their values are overwritten).
+    score = np.fromiter((r not in generators for r in range(rows)), dtype=np.uint8, count=rows)
+    score &= open_rows
+    state = torch.get_rng_state()
+    kernel.exponential_race(base, rows, vocab, state.data_ptr(), state.numel(), score.ctypes.data, out)
+    torch.set_rng_state(state)
+    for i, g in generators.items():
+        state = g.get_state()
+        skip = None if open_rows[i] else _NO_ROW.ctypes.data
+        kernel.exponential_race(
+            base + i * row_bytes, 1, vocab, state.data_ptr(), state.numel(), skip, out + 4 * i
+        )
+        g.set_state(state)
+    return tokens
+
+
+_NO_ROW = np.zeros(1, dtype=np.uint8)  # a score mask of one row, not scored
+
+
+@functools.cache
+def _race_matches_torch(kernel: Any) -> bool:
+    """Whether :func:`_exponential_race` gives vLLM's tokens and generator states here (ATen's
+    CPU exponential_ and generator layout, checked once per process against torch itself)."""
+    saved = torch.get_rng_state()
+    try:
+        rows, vocab = 3, 700  # 1400 words a row: crosses the mt19937 refill several times
+        probs = torch.rand(rows, vocab, generator=torch.Generator().manual_seed(5)).pow_(4)
+        probs[probs < 0.3] = 0.0
+        probs /= probs.sum(dim=-1, keepdim=True)
+        outcomes = []
+        for draw in ("torch", "kernel"):
+            torch.manual_seed(20261130)
+            gens = {2: torch.Generator().manual_seed(7), 0: torch.Generator().manual_seed(8)}
+            if draw == "torch":
+                q = noise.sampler_exponentials(rows, vocab, gens)
+                tokens = sample_with_exponential_noise(probs.clone(), q).view(-1, 1).to(torch.int32)
+            else:
+                tokens = _exponential_race(kernel, probs, gens, torch.full((rows, 1), -1, dtype=torch.int32))
+            states = [torch.get_rng_state()] + [g.get_state() for g in gens.values()]
+            outcomes.append((tokens, states, torch.empty(9).exponential_()))
+        (t_a, s_a, n_a), (t_b, s_b, n_b) = outcomes
+        same = torch.equal(t_a, t_b) and torch.equal(n_a, n_b)
+        same = same and all(torch.equal(a, b) for a, b in zip(s_a, s_b, strict=True))
+    except (RuntimeError, ValueError) as exc:
+        logger.warning("CpuSampler: the C kernel's seeded draw cannot run here (%s); using torch's", exc)
+        return False
+    finally:
+        torch.set_rng_state(saved)
+    if not same:
+        logger.warning("CpuSampler: the C kernel's seeded draw differs from torch's here; using torch's")
+    return same
+
+
 def _is_cpu_vector(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.dtype == dtype and t.device.type == "cpu" and t.dim() == 1 and t.stride(0) == 1
 
@@ -329,6 +400,7 @@ class CpuSampler(nn.Module):
             logger.warning("CpuSampler: %s; the talker's step takes the numpy path", KERNEL_MISSING)
         else:
             self.kernel_status = "C kernel"
+            _race_matches_torch(self.kernel)  # once per process, here rather than in a first step
 
     def forward(
         self,
@@ -398,6 +470,24 @@ class CpuSampler(nn.Module):
         return SamplerOutput(
             sampled_token_ids=sampled.to(torch.int32).unsqueeze(-1), logprobs_tensors=logprobs_tensors
         )
+
+    def _race_applies(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> bool:
+        return (
+            self.kernel is not None
+            and probs.dtype == torch.float32
+            and probs.device.type == "cpu"
+            and all(g.device.type == "cpu" for g in generators.values())
+            and _race_matches_torch(self.kernel)
+        )
+
+    def _seeded_draw(self, probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+        """vLLM's ``argmax(probs / q)`` ([rows] int64) with float32 noise consumed as its CPU path
+        consumes it: by the C kernel where it runs here, else by torch (``noise``)."""
+        if self._race_applies(probs, generators):
+            tokens = torch.full((probs.shape[0], 1), -1, dtype=torch.int32)
+            return _exponential_race(self.kernel, probs, generators, tokens).view(-1).long()
+        q = noise.sampler_exponentials(probs.shape[0], probs.shape[1], generators, device=probs.device)
+        return sample_with_exponential_noise(probs, q)
 
     # ------------------------------------------------------------------ the talker's fast path
 
@@ -515,11 +605,14 @@ class CpuSampler(nn.Module):
                 step_stats.record(name, ns / 1e6)
         if seeded:
             with step_stats.timer(DRAW):
-                probs = logits.softmax(dim=-1, dtype=torch.float32)
-                q = noise.sampler_exponentials(rows, vocab, md.generators)
-                random = sample_with_exponential_noise(probs, q).view(-1, 1)
                 # The kernel gave greedy rows their token and the others -1.
-                tokens = torch.where(tokens >= 0, tokens, random.to(torch.int32))
+                probs = logits.softmax(dim=-1, dtype=torch.float32)
+                if self._race_applies(probs, md.generators):
+                    tokens = _exponential_race(self.kernel, probs, md.generators, tokens)
+                else:
+                    q = noise.sampler_exponentials(rows, vocab, md.generators)
+                    random = sample_with_exponential_noise(probs, q).view(-1, 1).to(torch.int32)
+                    tokens = torch.where(tokens >= 0, tokens, random)
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
 
     def _forward_fast(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
@@ -565,9 +658,7 @@ class CpuSampler(nn.Module):
                     top = values[:, :k], indices[:, :k]
         with step_stats.timer(DRAW):
             if md.generators:
-                probs = logits.softmax(dim=-1, dtype=torch.float32)
-                q = noise.sampler_exponentials(probs.shape[0], probs.shape[1], md.generators)
-                random = sample_with_exponential_noise(probs, q).numpy()
+                random = self._seeded_draw(logits.softmax(dim=-1, dtype=torch.float32), md.generators).numpy()
             elif top is not None:
                 values, indices = top
                 random = indices[np.arange(indices.shape[0]), _inverse_cdf_rows(values)]
@@ -650,15 +741,13 @@ class CpuSampler(nn.Module):
                 # vLLM draws these rows in compiled code whose random stream nothing eager
                 # reproduces: any exact sampler of the same distribution is as faithful.
                 random = sample_inverse_cdf(probs)
-            else:
+            elif self.use_fp64_gumbel:
                 q = noise.sampler_exponentials(
-                    probs.shape[0],
-                    probs.shape[1],
-                    md.generators,
-                    dtype=torch.float64 if self.use_fp64_gumbel else probs.dtype,
-                    device=probs.device,
+                    probs.shape[0], probs.shape[1], md.generators, dtype=torch.float64, device=probs.device
                 )
                 random = sample_with_exponential_noise(probs, q)
+            else:
+                random = self._seeded_draw(probs, md.generators)
 
         if greedy is None:
             return random, processed

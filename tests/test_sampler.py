@@ -22,7 +22,10 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.sample.ops.penalties import apply_all_penalties  # noqa: E402
-from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch  # noqa: E402
+from vllm.v1.sample.ops.topk_topp_sampler import (  # noqa: E402
+    apply_top_k_top_p_pytorch,
+    sample_with_exponential_noise,
+)
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
 from omni_cpu_fastpath import noise, step_stats  # noqa: E402
@@ -165,11 +168,14 @@ def run_both(ref: Sampler, fast: CpuSampler, logits: torch.Tensor, md) -> None:
     assert torch.equal(nxt, torch.empty(8).exponential_())
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("batch", [1, 2, 5, 8, 17, 32])
 @pytest.mark.parametrize("seeded", ["all", "some"])
-def test_bit_equal_with_generators(stock, batch: int, seeded: str) -> None:
+def test_bit_equal_with_generators(stock, batch: int, seeded: str, kernel: bool) -> None:
+    # Every sampling parameter, so most steps take the general road (its seeded draw by the C
+    # kernel, or by torch without it) and some the talker's.
     rng = random.Random(1000 * batch + len(seeded))
-    fast = CpuSampler()
+    fast = CpuSampler(kernel=kernel)
     for _ in range(3):
         params, prompts, outputs = random_requests(rng, batch, seeded)
         md = make_input_batch(params, VOCAB, prompts, outputs).sampling_metadata
@@ -662,6 +668,46 @@ def test_kernel_draw_with_every_penalty_follows_the_distribution(stock, top_k: i
     assert rejects, "the test cannot tell the penalties apart"
 
 
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_kernel_seeded_draw_equals_vllm_noise(batch: int) -> None:
+    # The kernel's argmax(probs / q) against noise.sampler_exponentials + vLLM's
+    # sample_with_exponential_noise: tokens, every generator's state and the next draws, with
+    # generators at arbitrary offsets (the mt19937 refill at any point) and mostly-zero probs.
+    import omni_cpu_fastpath.sampler as sampler_module
+
+    kernel = CpuSampler(kernel=True).kernel
+    assert sampler_module._race_matches_torch(kernel), "the served seeded draw would fall back to torch"
+    rng = random.Random(batch)
+    for seeded_rows in ([0], list(range(batch)), list(range(0, batch, 2)), [batch - 1]):
+        probs = torch.rand(batch, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(999))) ** 8
+        probs[probs < 0.5] = 0.0
+        probs /= probs.sum(dim=-1, keepdim=True)
+        seeds = {r: (rng.randrange(2**31), rng.randrange(2000)) for r in seeded_rows}
+        global_seed = rng.randrange(2**31)
+        outcomes = []
+        for draw in ("torch", "kernel"):
+            torch.manual_seed(global_seed)
+            gens = {}
+            for r, (seed, offset) in seeds.items():
+                gens[r] = torch.Generator().manual_seed(seed)
+                torch.empty(offset).exponential_(generator=gens[r])
+            if draw == "torch":
+                q = noise.sampler_exponentials(batch, VOCAB, gens)
+                tokens = sample_with_exponential_noise(probs.clone(), q).view(-1, 1).to(torch.int32)
+            else:
+                open_rows = torch.full((batch, 1), -1, dtype=torch.int32)
+                tokens = sampler_module._exponential_race(kernel, probs, gens, open_rows)
+            nxt = [torch.empty(5).exponential_()] + [
+                torch.empty(5).exponential_(generator=g) for g in gens.values()
+            ]
+            outcomes.append((tokens, nxt))
+        (t_ref, n_ref), (t_got, n_got) = outcomes
+        assert torch.equal(t_got, t_ref)
+        assert all(torch.equal(a, b) for a, b in zip(n_ref, n_got, strict=True)), (
+            "a generator was left elsewhere"
+        )
+
+
 def test_kernel_errors_name_the_bad_input() -> None:
     fast = CpuSampler(kernel=True)
     md = make_input_batch([SamplingParams(**TALKER)], 40, [[1, 2]], [[3]]).sampling_metadata
@@ -669,3 +715,10 @@ def test_kernel_errors_name_the_bad_input() -> None:
         fast(torch.randn(1, 40), dataclasses.replace(md, output_token_ids=[(3,)]))
     with pytest.raises(ValueError, match="1 prompt rows and 1 output rows for 2 rows"):
         fast(torch.randn(2, 40), md)
+    probs, tokens = torch.full((1, 40), 1 / 40), torch.full((1, 1), -1, dtype=torch.int32)
+    state = torch.Generator().manual_seed(1).get_state()
+    for bad in (state[:-8], state.clone().index_fill_(0, torch.arange(8, 12), 255)):  # short; left = -1
+        with pytest.raises(ValueError, match="not a torch CPU generator state"):
+            fast.kernel.exponential_race(
+                probs.data_ptr(), 1, 40, bad.data_ptr(), bad.numel(), None, tokens.data_ptr()
+            )
