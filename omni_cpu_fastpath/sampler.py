@@ -355,7 +355,9 @@ def _race_matches_torch(kernel: Any) -> bool:
 
 
 def _is_cpu_vector(t: torch.Tensor, dtype: torch.dtype) -> bool:
-    return t.dtype == dtype and t.device.type == "cpu" and t.dim() == 1 and t.stride(0) == 1
+    # Property reads, not t.device.type / t.stride(): served, each step finds the caches cold
+    # (the predictor streamed its weights in between) and every distinct call costs ~10-90 us.
+    return t.dtype is dtype and t.is_cpu and t.ndim == 1 and t.is_contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -410,12 +412,18 @@ class CpuSampler(nn.Module):
         logprobs_mode_override: LogprobsMode | None = None,
     ) -> SamplerOutput:
         with step_stats.timer(SAMPLE, sync=True):
+            if logits.dim() != 2:
+                raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
+            md = sampling_metadata
+            road = "general" if predict_bonus_token else self.path(logits, md)
+            if road == "kernel":  # no torch thread pool to cap
+                return self._forward_kernel(logits, md)
             threads = torch.get_num_threads()
             if self.max_threads is None or threads <= self.max_threads or logits.numel() > SMALL_STEP:
-                return self._forward(logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+                return self._forward(logits, md, road, predict_bonus_token, logprobs_mode_override)
             torch.set_num_threads(self.max_threads)
             try:
-                return self._forward(logits, sampling_metadata, predict_bonus_token, logprobs_mode_override)
+                return self._forward(logits, md, road, predict_bonus_token, logprobs_mode_override)
             finally:
                 torch.set_num_threads(threads)
 
@@ -423,16 +431,12 @@ class CpuSampler(nn.Module):
         self,
         logits: torch.Tensor,
         md: SamplingMetadata,
+        road: str,
         predict_bonus_token: bool,
         logprobs_mode_override: LogprobsMode | None,
     ) -> SamplerOutput:
-        if logits.dim() != 2:
-            raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
-        if not predict_bonus_token and self._fast_path_applies(logits, md):
-            if self.kernel is not None and self._kernel_applies(md):
-                return self._forward_kernel(logits, md)
-            if self._numpy_path_applies(md):
-                return self._forward_fast(logits, md)
+        if road == "numpy":
+            return self._forward_fast(logits, md)
         logprobs_mode = logprobs_mode_override or self.logprobs_mode
         num_logprobs = md.max_num_logprobs
         # As vLLM: top-k logprobs come from the logits before any processing.
@@ -504,7 +508,7 @@ class CpuSampler(nn.Module):
         """A talker-like step: no logprobs, masks, bad words, top-p, thinking budget or fp64
         noise; floating-point logits on CPU."""
         if (
-            logits.device.type != "cpu"
+            not logits.is_cpu
             or not logits.is_floating_point()
             or self.use_fp64_gumbel
             or md.max_num_logprobs is not None
@@ -533,9 +537,9 @@ class CpuSampler(nn.Module):
         prompt = md.prompt_token_ids
         return (
             prompt is not None
-            and prompt.dtype == torch.int64
-            and prompt.device.type == "cpu"
-            and prompt.dim() == 2
+            and prompt.dtype is torch.int64
+            and prompt.is_cpu
+            and prompt.ndim == 2
             and prompt.stride(1) == 1
             and all(
                 _is_cpu_vector(t, torch.float32)
@@ -560,7 +564,8 @@ class CpuSampler(nn.Module):
         draw (one uniform per row from torch's default generator). With generators the kernel
         masks below the k-th value and the rows draw as vLLM does (softmax, exponential noise)."""
         with step_stats.timer(PROCESSORS):
-            logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
+            if logits.dtype is not torch.float32 or not logits.is_contiguous():
+                logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
             for processor in md.logitsprocs.non_argmax_invariant:
                 logits = processor.apply(logits)
             logits = logits.contiguous()
@@ -621,7 +626,8 @@ class CpuSampler(nn.Module):
         (IEEE products and quotients), so everything up to the draw is bit-equal; seeded rows
         then draw exactly as vLLM does, unseeded rows by inverse CDF over the top-k entries."""
         with step_stats.timer(PROCESSORS):
-            logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
+            if logits.dtype is not torch.float32 or not logits.is_contiguous():
+                logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
             for processor in md.logitsprocs.non_argmax_invariant:
                 logits = processor.apply(logits)
             logits = logits.contiguous()
