@@ -562,13 +562,15 @@ class CpuSampler(nn.Module):
         """Steps 2-5 for a talker-like step in one C call (``_sampler_kernel.c``): penalties,
         greedy argmax, temperature, top-k and, for rows without a generator, the inverse-CDF
         draw (one uniform per row from torch's default generator). With generators the kernel
-        masks below the k-th value and the rows draw as vLLM does (softmax, exponential noise)."""
+        masks below the k-th value and the rows draw vLLM's argmax(softmax / noise), the noise
+        from their generators (:func:`_exponential_race`)."""
         with step_stats.timer(PROCESSORS):
             if logits.dtype is not torch.float32 or not logits.is_contiguous():
                 logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
             for processor in md.logitsprocs.non_argmax_invariant:
                 logits = processor.apply(logits)
-            logits = logits.contiguous()
+            if logits.dtype is not torch.float32 or not logits.is_contiguous():
+                logits = logits.to(torch.float32).contiguous()  # the kernel reads raw float32 rows
         rows, vocab = logits.shape
         if md.temperature is None and not md.all_greedy:
             raise ValueError("sampling_metadata has random rows but no temperature")
