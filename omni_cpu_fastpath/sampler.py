@@ -354,6 +354,13 @@ def _race_matches_torch(kernel: Any) -> bool:
     return same
 
 
+def _float32_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as contiguous float32 rows, copied only when they are not already."""
+    if logits.dtype is torch.float32 and logits.is_contiguous():
+        return logits
+    return logits.to(torch.float32).contiguous()
+
+
 def _is_cpu_vector(t: torch.Tensor, dtype: torch.dtype) -> bool:
     # Property reads, not t.device.type / t.stride(): served, each step finds the caches cold
     # (the predictor streamed its weights in between) and every distinct call costs ~10-90 us.
@@ -565,12 +572,10 @@ class CpuSampler(nn.Module):
         masks below the k-th value and the rows draw vLLM's argmax(softmax / noise), the noise
         from their generators (:func:`_exponential_race`)."""
         with step_stats.timer(PROCESSORS):
-            if logits.dtype is not torch.float32 or not logits.is_contiguous():
-                logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
+            logits = _float32_rows(logits)  # as vLLM: a float32 copy of bf16 logits
             for processor in md.logitsprocs.non_argmax_invariant:
                 logits = processor.apply(logits)
-            if logits.dtype is not torch.float32 or not logits.is_contiguous():
-                logits = logits.to(torch.float32).contiguous()  # the kernel reads raw float32 rows
+            logits = _float32_rows(logits)  # the kernel reads raw float32 rows
         rows, vocab = logits.shape
         if md.temperature is None and not md.all_greedy:
             raise ValueError("sampling_metadata has random rows but no temperature")
@@ -628,11 +633,10 @@ class CpuSampler(nn.Module):
         (IEEE products and quotients), so everything up to the draw is bit-equal; seeded rows
         then draw exactly as vLLM does, unseeded rows by inverse CDF over the top-k entries."""
         with step_stats.timer(PROCESSORS):
-            if logits.dtype is not torch.float32 or not logits.is_contiguous():
-                logits = logits.to(torch.float32).contiguous()  # as vLLM: a float32 copy of bf16 logits
+            logits = _float32_rows(logits)  # as vLLM: a float32 copy of bf16 logits
             for processor in md.logitsprocs.non_argmax_invariant:
                 logits = processor.apply(logits)
-            logits = logits.contiguous()
+            logits = _float32_rows(logits)
         if not md.no_penalties:
             with step_stats.timer(PENALTIES):
                 logits = _repetition_penalty_sparse(
