@@ -10,8 +10,10 @@ setup:
 demo: setup
 	$(PY) -m omni_cpu_fastpath.cli demo
 
+# The benchmarks run too, once each at tiny dimensions (a smoke test: nothing is timed).
 test: setup
 	$(PY) -m pytest -q tests
+	OMNI_BENCH_DIMS=tiny $(PY) -m pytest -q benchmarks
 
 bench: setup
 	$(PY) -m pytest -q benchmarks --benchmark-enable

@@ -16,11 +16,14 @@ import torch
 
 DIMS = os.environ.get("OMNI_BENCH_DIMS", "0.6b")
 BATCH = 1
+# The stock rows every cached row is compared with: vllm-omni's eager predictor (what it runs on
+# CPU) and its compiled one (what it runs on GPU platforms), each measured in the same session.
+STOCK_ROWS = ("stock", "stock-compiled")
 
 
 @pytest.fixture(scope="session")
 def predictor_setup() -> dict[str, Any]:
-    from omni_cpu_fastpath.bench.floor import floor_ms, measure_bandwidth, params_per_frame
+    from omni_cpu_fastpath.bench.floor import cpu_name, floor_ms, measure_bandwidth, params_per_frame
     from omni_cpu_fastpath.bench.predictor import build_stock_random
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
@@ -40,6 +43,7 @@ def predictor_setup() -> dict[str, Any]:
         "stock": stock,
         "inputs": inputs,
         "bandwidth_gbs": bw.best_gbs,
+        "cpu": cpu_name(),
         "floor_ms": {fmt: floor_ms(params, fmt, bw.best_gbs) for fmt in ("fp32", "bf16", "int8")},
         "session": {},  # row name -> ms per frame, for the speed-ups
     }
@@ -53,7 +57,9 @@ def frame(pred: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
 
 @pytest.fixture
 def record(predictor_setup: dict[str, Any]) -> Callable[..., None]:
-    def _record(benchmark: Any, name: str, fmt: str, baseline: str = "stock", **extra: Any) -> None:
+    def _record(
+        benchmark: Any, name: str, fmt: str, baseline: str | tuple[str, ...] = STOCK_ROWS, **extra: Any
+    ) -> None:
         stats = getattr(benchmark, "stats", None)
         if stats is None:  # --benchmark-disable: nothing was timed
             return
@@ -69,10 +75,12 @@ def record(predictor_setup: dict[str, Any]) -> Callable[..., None]:
                 "bandwidth_gbs": predictor_setup["bandwidth_gbs"],
                 "ratio_to_floor": ms / floor,
                 "load_1min": os.getloadavg()[0],
+                "cpu": predictor_setup["cpu"],
                 **extra,
             }
         )
-        if baseline in session and name != baseline:
-            benchmark.extra_info[f"speedup_vs_{baseline}"] = session[baseline] / ms
+        for base in (baseline,) if isinstance(baseline, str) else baseline:
+            if base in session and name != base:
+                benchmark.extra_info[f"speedup_vs_{base}"] = session[base] / ms
 
     return _record

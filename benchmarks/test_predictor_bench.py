@@ -24,6 +24,17 @@ def test_stock_frame(benchmark: Any, predictor_setup: dict[str, Any], record: An
     record(benchmark, "stock", "fp32")
 
 
+@pytest.mark.slow
+def test_stock_compiled_frame(benchmark: Any, predictor_setup: dict[str, Any], record: Any) -> None:
+    """vllm-omni's own compiled predictor (its GPU-platform torch.compile path): the strongest stock row."""
+    from omni_cpu_fastpath.bench.predictor import build_stock_compiled
+
+    pred, compile_s = build_stock_compiled(predictor_setup["stock"], [BATCH])
+    codes = benchmark.pedantic(frame, args=(pred, predictor_setup["inputs"]), rounds=3, warmup_rounds=1)
+    assert torch.equal(codes, frame(predictor_setup["stock"], predictor_setup["inputs"]))
+    record(benchmark, "stock-compiled", "fp32", compile_s=compile_s)
+
+
 def test_cached_eager_frame(benchmark: Any, predictor_setup: dict[str, Any], record: Any) -> None:
     from omni_cpu_fastpath.predictor import CachedCodePredictor
 

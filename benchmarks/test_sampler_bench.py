@@ -9,15 +9,11 @@ speed. ``cpu`` is CpuSampler with its C kernel, ``cpu-numpy`` without (its fallb
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
 
-os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from omni_cpu_fastpath.bench.sampler import stock_sampler, talker_batch, time_steps  # noqa: E402
-from omni_cpu_fastpath.sampler import CpuSampler  # noqa: E402
+from omni_cpu_fastpath.bench.sampler import stock_sampler, talker_batch, time_steps
+from omni_cpu_fastpath.sampler import CpuSampler
 
 VOCAB = 3072
 

@@ -20,11 +20,16 @@ def _cmd_flags(args: argparse.Namespace) -> int:
     rows = envs.table()
     if args.json:
         print(json.dumps(rows, indent=1, default=str))
-        return 0
-    width = max(len(r["name"]) for r in rows)
-    for r in rows:
-        print(f"{r['name']:<{width}}  value={r['value']!s:<8} default={r['default']!s:<6} {r['doc']}")
-        print(f"{'':<{width}}  accepted: {r['accepted']}")
+    else:
+        width = max(len(r["name"]) for r in rows)
+        for r in rows:
+            print(f"{r['name']:<{width}}  value={r['value']!s:<8} default={r['default']!s:<6} {r['doc']}")
+            print(f"{'':<{width}}  accepted: {r['accepted']}")
+    # A bad value would stop the server at start-up: say so here too, through the exit code.
+    bad = [r["name"] for r in rows if not r["valid"]]
+    if bad:
+        print(f"omni-cpu-fastpath: error: invalid value in {', '.join(bad)}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -32,10 +37,14 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     from . import step_stats
 
     summary = step_stats.summarize_dir(args.dir)
+    served = step_stats.served_dir(args.dir)
     if args.json:
-        print(json.dumps(summary, indent=1))
+        print(json.dumps({"counters": summary, "served": served}, indent=1))
     else:
         print(step_stats.format_table(summary))
+        if served:
+            print("\nserved by:")
+            print(step_stats.format_served(served))
     return 0
 
 
@@ -92,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dims", choices=("tiny", "0.6b", "1.7b"), default="0.6b")
     b.add_argument("--dtypes", default="fp32,bf16")
     b.add_argument("--batches", default="1,8")
-    b.add_argument("--impls", default="stock,cached-eager,cached-compiled")
+    b.add_argument("--impls", default="stock,stock-compiled,cached-eager,cached-compiled")
     b.add_argument("--int8", default="", help="comma-separated int8 variants to add")
     b.add_argument("--frames", type=int, default=8)
     b.add_argument("--json", action="store_true")

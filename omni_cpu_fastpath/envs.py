@@ -119,6 +119,12 @@ FLAGS: dict[str, Flag] = {
             "Folder for per-step timers: <pid>.jsonl per process and <pid>.summary.json at exit.",
         ),
         Flag(
+            "VLLM_OMNI_STEP_STATS_CODES",
+            "bool",
+            "0",
+            "With a stats folder: also write every frame's codes per request (<pid>.codes.jsonl).",
+        ),
+        Flag(
             "VLLM_OMNI_STEP_STATS_SYNC",
             "bool",
             "0",
@@ -206,13 +212,15 @@ def table() -> list[dict[str, Any]]:
     """The flag table with current values, as ``omni-cpu-fastpath flags --json`` prints it."""
     rows = []
     for flag in FLAGS.values():
+        valid = True
         try:
             value: Any = get(flag.name)
         except FlagError as exc:
-            value = f"<invalid: {exc}>"
+            value, valid = f"<invalid: {exc}>", False
         rows.append(
             {
                 "name": flag.name,
+                "valid": valid,
                 "type": flag.type,
                 "default": flag.default,
                 "value": value,

@@ -23,10 +23,11 @@ dict and do not double the memory; :meth:`CachedCodePredictor.refresh` rebuilds 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import types
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -36,11 +37,38 @@ import torch.nn.functional as F
 from . import envs, step_stats
 from .noise import predictor_uniforms
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 # Batch sizes compiled at load with VLLM_OMNI_PREDICTOR_COMPILE=step; a batch is padded up to the
-# next bucket, and one above the largest runs eager.
+# next bucket, and one above the largest runs eager. A server compiles buckets_for(max_num_seqs).
 DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8)
+
+
+def buckets_for(max_batch: int) -> tuple[int, ...]:
+    """The buckets a runner of at most ``max_batch`` rows can reach: powers of two below it, and it."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return tuple(sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}))
+
+
+@contextlib.contextmanager
+def _compiled_call_state() -> Iterator[None]:
+    """The global state every compiled call runs under, at warm-up and when serving.
+
+    Dynamo guards on global state such as the default dtype, and vLLM loads weights (when the
+    served predictor compiles) under ``set_default_torch_dtype(model dtype)``: without this, a
+    bf16 model compiled at load would miss its guards at the first request and recompile there,
+    outside the warm-up's Inductor settings.
+    """
+    prev = torch.get_default_dtype()
+    if prev is not torch.float32:
+        torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        if prev is not torch.float32:
+            torch.set_default_dtype(prev)
+
 
 # Inductor settings that make batch-1 GEMV read weights near the bandwidth floor on CPU
 # (docs: shared/notes/performance-anchors.md): freezing folds the weights into the graph so the
@@ -243,6 +271,11 @@ class CachedCodePredictor(nn.Module):
         self._compile_generation = 0
         self._warming = False
         self.compile_seconds: float | None = None
+        # How many times each bucket was compiled (a served predictor compiles each once).
+        self.compile_counts: dict[int, int] = {}
+        self._failed_buckets: dict[int, str] = {}  # bucket -> why its compiled step was dropped
+        # What runs the step, and why: "off", "step (...)", or "eager (... failed ...)".
+        self.compile_status = "off" if compile == "off" else "step (not compiled yet)"
         if compile == "step" and warmup:
             self.warmup()
 
@@ -427,7 +460,9 @@ class CachedCodePredictor(nn.Module):
 
         Each bucket gets its own compiled step and options (:func:`bucket_compile_options`); a
         bucket whose first options fail is retried with the next before the whole step falls back
-        to eager.
+        to eager. After this, a call that would compile again fails instead (and that bucket runs
+        eager, with the reason in ``compile_status``): every shape is compiled here, never first
+        at a request.
         """
         t0 = time.perf_counter()
         compiled: dict[int, Any] = {}
@@ -450,9 +485,13 @@ class CachedCodePredictor(nn.Module):
                         continue
                     logger.warning("code predictor: torch.compile of the step failed, running eager: %r", exc)
                     self.compile_mode = "off"
+                    self._set_compile_status(f"eager (torch.compile failed at load: {_short(exc)})")
                     return False
         self._compiled = compiled
         self.compile_seconds = time.perf_counter() - t0
+        self._set_compile_status(
+            f"step (buckets {_csv_ints(self.buckets)}, compiled at load in {self.compile_seconds:.1f} s)"
+        )
         logger.info(
             "code predictor: compiled the static step for batch buckets %s in %.1f s",
             self.buckets,
@@ -460,11 +499,16 @@ class CachedCodePredictor(nn.Module):
         )
         return True
 
+    def _set_compile_status(self, status: str) -> None:
+        self.compile_status = status
+        step_stats.served("predictor.compile", status)
+
     def _compile_bucket(self, bucket: int, options: dict[str, Any]) -> Any:
         """A step compiled with ``options`` and warmed on ``bucket`` rows (prefill and sub-step)."""
         import torch._inductor.config  # noqa: F401 - torch.compile imports it lazily
 
         step = self._fresh_compiled(options)
+        self.compile_counts[bucket] = self.compile_counts.get(bucket, 0) + 1
         self._compiled = {bucket: step}  # forward_cached pads to this bucket and calls it
         hid = torch.zeros(bucket, 1, self.model.codec_embedding[0].weight.shape[1], dtype=self.dtype)
         self._warming = True
@@ -585,13 +629,14 @@ class CachedCodePredictor(nn.Module):
             padded = next((b for b in sorted(self._compiled or ()) if b >= bsz), 0)
             if padded:
                 try:
-                    self._loop(self._compiled[padded], x, u, sampling, greedy, padded, codes, all_logits)
+                    # Past warm-up, a call that would compile again fails (and runs eager below).
+                    stance = "default" if self._warming else "fail_on_recompile"
+                    with _compiled_call_state(), torch.compiler.set_stance(stance):
+                        self._loop(self._compiled[padded], x, u, sampling, greedy, padded, codes, all_logits)
                 except Exception as exc:  # noqa: BLE001 - a compiled step that fails must not fail serving
                     if self._warming:  # warmup() decides: retry with other options, or eager
                         raise
-                    logger.warning("code predictor: compiled step failed, switching to eager: %r", exc)
-                    self._compiled = None
-                    self.compile_mode = "off"
+                    self._drop_bucket(padded, exc)
                     padded = 0
                     if all_logits is not None:
                         all_logits.clear()
@@ -599,6 +644,24 @@ class CachedCodePredictor(nn.Module):
                 self._loop(self._substep, x, u, sampling, greedy, bsz, codes, all_logits)
         logits_out = torch.stack(all_logits, dim=1) if all_logits is not None else None
         return codes, logits_out
+
+    def _drop_bucket(self, bucket: int, exc: Exception) -> None:
+        """A compiled bucket failed at run time: batches pad to the next compiled bucket from now
+        on (eager above the last one, or when none is left), and the status says why."""
+        assert self._compiled is not None
+        del self._compiled[bucket]
+        why = f"the compiled step failed at run time: {_short(exc)}"
+        self._failed_buckets.setdefault(bucket, why)
+        logger.warning("code predictor: bucket %d dropped: %s", bucket, why)
+        dropped = _csv_ints(sorted(self._failed_buckets))
+        first = next(iter(self._failed_buckets.values()))
+        left = sorted(self._compiled)
+        if left:
+            self._set_compile_status(f"step (buckets {_csv_ints(left)}; dropped {dropped}: {first})")
+        else:
+            self._compiled = None
+            self.compile_mode = "off"
+            self._set_compile_status(f"eager (dropped buckets {dropped}: {first})")
 
     def _loop(
         self,
@@ -707,6 +770,15 @@ def sample_codes(
     return torch.where(greedy, logits.argmax(dim=-1), sampled)
 
 
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _csv_ints(values: Iterable[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
 class _StepModule(nn.Module):
     """The unit handed to torch.compile: one sub-step of ``pred`` (see ``_fresh_compiled``)."""
 
@@ -744,6 +816,7 @@ __all__ = [
     "StackedEmbeddings",
     "StackedHeads",
     "DEFAULT_BUCKETS",
+    "buckets_for",
     "INDUCTOR_OPTIONS",
     "bucket_compile_options",
     "stacked_linear",

@@ -114,7 +114,7 @@ except ImportError as _exc:
 else:
     KERNEL_MISSING = ""
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 # vLLM's threshold below which a temperature means greedy (vllm/v1/sample/sampler.py).
 SAMPLING_EPS = 1e-5
@@ -124,6 +124,8 @@ PROCESSORS = "sampler.processors_ms"
 PENALTIES = "sampler.penalties_ms"
 TOPK_TOPP = "sampler.topk_topp_ms"
 DRAW = "sampler.draw_ms"
+# One count per step and road taken ("kernel", "numpy", "general"): which road served.
+ROAD = {road: f"sampler.road.{road}" for road in ("kernel", "numpy", "general")}
 METADATA = "sampler.metadata_ms"
 
 # Largest batch x vocab sampled under the thread cap (85 rows of the talker's 3072 entries).
@@ -423,6 +425,7 @@ class CpuSampler(nn.Module):
                 raise ValueError(f"logits must be [num_reqs, vocab], got shape {tuple(logits.shape)}")
             md = sampling_metadata
             road = "general" if predict_bonus_token else self.path(logits, md)
+            step_stats.record(ROAD[road], 1.0)
             if road == "kernel":  # no torch thread pool to cap
                 return self._forward_kernel(logits, md)
             threads = torch.get_num_threads()

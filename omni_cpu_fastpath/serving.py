@@ -10,7 +10,11 @@ defaults, each of which an argument or variable given by the user overrides:
   talker context of 4096 frames (5.5 minutes of audio), 1 GiB of talker KV cache and 64 MiB for
   code2wav (VLLM_CPU_KVCACHE_SPACE, in GiB for every stage, replaces both), and the cores split
   between the two stage workers (VLLM_CPU_OMP_THREADS_BIND replaces the split);
-- ``--host 127.0.0.1`` (loopback only unless asked otherwise).
+- ``--host 127.0.0.1`` (loopback only unless asked otherwise);
+- ``--middleware omni_cpu_fastpath.http_status.InputTooLongIs400``: a too-long input is answered
+  with a 400 (vllm-omni answers 500);
+- ``--stage-init-timeout`` and ``--init-timeout`` of an hour: a stage that compiles its predictor
+  at load takes minutes on a few cores.
 
 ``demo`` writes the tiny random checkpoint, starts that server on 127.0.0.1 in the background,
 synthesizes a sentence through ``/v1/audio/speech`` with the ``openai`` client, saves the WAV,
@@ -39,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
+MIDDLEWARE = "omni_cpu_fastpath.http_status.InputTooLongIs400"
+INIT_TIMEOUT_S = 3600
 DEMO_VOICE = "vivian"
 # A random checkpoint rarely samples the end-of-speech code, so every request caps its frames
 # (80 ms of audio each).
@@ -82,6 +88,12 @@ def serve_command(model: str, vllm_args: Sequence[str] = ()) -> list[str]:
         cmd += ["--deploy-config", str(cpu_deploy_config_path())]
     if not _has_option(args, "--host"):
         cmd += ["--host", LOOPBACK]
+    # Loading can compile the predictor (VLLM_OMNI_PREDICTOR_COMPILE=step): minutes on a few
+    # busy cores, past vllm-omni's 300 s / 600 s start-up limits.
+    for option in ("--stage-init-timeout", "--init-timeout"):
+        if not _has_option(args, option):
+            cmd += [option, str(INIT_TIMEOUT_S)]
+    cmd += ["--middleware", MIDDLEWARE]
     return cmd
 
 
@@ -247,6 +259,12 @@ class Speech:
     @property
     def rtf(self) -> float:
         return self.wall_s / self.audio_s if self.audio_s > 0 else float("inf")
+
+
+def sample_rate_of(model: str | Path) -> int:
+    """The audio sample rate of a Qwen3-TTS checkpoint folder (its speech tokenizer's config)."""
+    st = json.loads((Path(model) / "speech_tokenizer" / "config.json").read_text())
+    return int(st.get("output_sample_rate") or st["sample_rate"])
 
 
 def wav_info(data: bytes) -> tuple[int, float]:

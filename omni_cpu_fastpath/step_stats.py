@@ -12,6 +12,7 @@ Usage::
 
     step_stats.record("predictor.parity_top1", 0.97)   # any number
     step_stats.end_step()                              # one JSON line for this step
+    step_stats.served("predictor", "cached")           # what serves a component, and why
 
 Off (the variable unset or empty) every entry point returns after one check of a module global, so
 the hot path pays a function call and nothing else (``benchmarks/test_step_stats_overhead.py``).
@@ -19,6 +20,12 @@ On, each process appends one JSON line per step to ``<dir>/<pid>.jsonl``
 (``{"pid", "step", "ts", "values": {name: [v, ...]}}``) and writes ``<dir>/<pid>.summary.json``
 (count, mean, p50, p90, max per counter) at exit. The folder is checked when stats are first
 configured, so an unwritable folder fails at start-up, not in the middle of serving.
+
+Besides numbers, a process records which implementation serves each component
+(:func:`served`: ``<dir>/<pid>.served.json``, rewritten on every change, so a fallback at run
+time shows up at once) and, with ``VLLM_OMNI_STEP_STATS_CODES=1``, the codes of every frame of
+every request (:func:`record_codes`: ``<dir>/<pid>.codes.jsonl``), so that two servers can be
+compared code for code.
 """
 
 from __future__ import annotations
@@ -50,23 +57,48 @@ class StepStatsError(RuntimeError):
     """The stats folder cannot be used."""
 
 
+SERVED_SUFFIX = ".served.json"
+CODES_SUFFIX = ".codes.jsonl"
+
+
 class _Recorder:
-    def __init__(self, directory: Path, sync: bool) -> None:
+    def __init__(self, directory: Path, sync: bool, codes: bool) -> None:
+        directory = directory.expanduser()
         self.directory = directory
         self.sync = sync
         self.pid = os.getpid()
         self.step = 0
         self.pending: dict[str, list[float]] = {}
         self.all: dict[str, array] = {}
-        directory = directory.expanduser()
+        self.served: dict[str, str] = {}
+        self._codes_fh: Any = None
         try:
             directory.mkdir(parents=True, exist_ok=True)
             self.lines_path = directory / f"{self.pid}.jsonl"
             self._fh = open(self.lines_path, "a", buffering=1)  # noqa: SIM115 - closed at exit
+            if codes:
+                self._codes_fh = open(directory / f"{self.pid}{CODES_SUFFIX}", "a", buffering=1)  # noqa: SIM115
         except OSError as exc:
             raise StepStatsError(
                 f"VLLM_OMNI_STEP_STATS_DIR={str(directory)!r} is not a writable folder: {exc}"
             ) from exc
+
+    def set_served(self, component: str, detail: str) -> None:
+        if self.served.get(component) == detail:
+            return
+        self.served[component] = detail
+        path = self.directory / f"{self.pid}{SERVED_SUFFIX}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": self.pid, "served": self.served}, indent=1) + "\n")
+        os.replace(tmp, path)
+
+    @property
+    def records_codes(self) -> bool:
+        return self._codes_fh is not None
+
+    def add_codes(self, request_id: str, codes: list[list[int]]) -> None:
+        if self._codes_fh is not None:
+            self._codes_fh.write(json.dumps({"request": request_id, "codes": codes}) + "\n")
 
     def add(self, name: str, value: float) -> None:
         self.pending.setdefault(name, []).append(value)
@@ -85,13 +117,17 @@ class _Recorder:
         summary = {name: summarize(values) for name, values in self.all.items()}
         (self.directory / f"{self.pid}.summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         self._fh.close()
+        if self._codes_fh is not None:
+            self._codes_fh.close()
 
 
 _recorder: _Recorder | None = None
 _configured = False
 
 
-def configure(directory: str | os.PathLike[str] | None = None, sync: bool | None = None) -> bool:
+def configure(
+    directory: str | os.PathLike[str] | None = None, sync: bool | None = None, codes: bool | None = None
+) -> bool:
     """Start (or stop, with no folder) recording. Reads the flags when arguments are None.
 
     Returns whether stats are on. Raises StepStatsError for an unwritable folder.
@@ -101,12 +137,14 @@ def configure(directory: str | os.PathLike[str] | None = None, sync: bool | None
         directory = envs.get("VLLM_OMNI_STEP_STATS_DIR")
     if sync is None:
         sync = envs.get("VLLM_OMNI_STEP_STATS_SYNC")
+    if codes is None:
+        codes = envs.get("VLLM_OMNI_STEP_STATS_CODES")
     if _recorder is not None:
         _recorder.close()
         atexit.unregister(_recorder.close)
         _recorder = None
     if directory:
-        _recorder = _Recorder(Path(directory), bool(sync))
+        _recorder = _Recorder(Path(directory), bool(sync), bool(codes))
         atexit.register(_recorder.close)
     _configured = True
     return _recorder is not None
@@ -127,6 +165,29 @@ def record(name: str, value: float) -> None:
     rec = _recorder if _configured else _active()
     if rec is not None:
         rec.add(name, float(value))
+
+
+def served(component: str, detail: str) -> None:
+    """Record which implementation serves ``component`` in this process (the latest call wins).
+
+    ``detail`` names it and, for a fallback, why (``"stock (CachedCodePredictor failed: ...)"``).
+    """
+    rec = _recorder if _configured else _active()
+    if rec is not None:
+        rec.set_served(component, detail)
+
+
+def codes_enabled() -> bool:
+    """Whether :func:`record_codes` writes anything (``VLLM_OMNI_STEP_STATS_CODES``)."""
+    rec = _recorder if _configured else _active()
+    return rec is not None and rec.records_codes
+
+
+def record_codes(request_id: str, codes: list[list[int]]) -> None:
+    """Append one frame's (or several frames') codes of a request to ``<pid>.codes.jsonl``."""
+    rec = _recorder if _configured else _active()
+    if rec is not None:
+        rec.add_codes(request_id, codes)
 
 
 def end_step() -> None:
@@ -235,7 +296,7 @@ def summarize_dir(directory: str | os.PathLike[str]) -> dict[str, dict[str, floa
     path = Path(directory)
     if not path.is_dir():
         raise StepStatsError(f"{str(path)!r} is not a folder of step stats")
-    files = sorted(path.glob("*.jsonl"))
+    files = sorted(f for f in path.glob("*.jsonl") if not f.name.endswith(CODES_SUFFIX))
     if not files:
         raise StepStatsError(f"{str(path)!r} holds no step-stats files (*.jsonl)")
     pooled: dict[str, list[float]] = {}
@@ -251,6 +312,42 @@ def summarize_dir(directory: str | os.PathLike[str]) -> dict[str, dict[str, floa
                 for name, vals in values.items():
                     pooled.setdefault(name, []).extend(vals)
     return {name: summarize(vals) for name, vals in sorted(pooled.items())}
+
+
+def served_dir(directory: str | os.PathLike[str]) -> dict[str, dict[str, str]]:
+    """What served each component, per process of a stats folder: ``{pid: {component: detail}}``."""
+    out: dict[str, dict[str, str]] = {}
+    for file in sorted(Path(directory).glob(f"*{SERVED_SUFFIX}")):
+        try:
+            data = json.loads(file.read_text())
+            out[str(data["pid"])] = dict(data["served"])
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise StepStatsError(f"{file}: not a served-components file ({exc})") from exc
+    return out
+
+
+def codes_dir(directory: str | os.PathLike[str]) -> dict[str, list[list[int]]]:
+    """Every request's codes in a stats folder, frame after frame: ``{request id: [[16 codes], ...]}``."""
+    out: dict[str, list[list[int]]] = {}
+    for file in sorted(Path(directory).glob(f"*{CODES_SUFFIX}")):
+        for lineno, line in enumerate(file.read_text().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+                out.setdefault(str(entry["request"]), []).extend(entry["codes"])
+            except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise StepStatsError(f"{file}:{lineno}: not a codes line ({exc})") from exc
+    return out
+
+
+def format_served(served: dict[str, dict[str, str]]) -> str:
+    rows = []
+    for pid, components in served.items():
+        rows.append(f"process {pid}:")
+        width = max((len(c) for c in components), default=0)
+        rows += [f"  {c:<{width}}  {d}" for c, d in components.items()]
+    return "\n".join(rows)
 
 
 def format_table(summary: dict[str, dict[str, float]]) -> str:

@@ -62,13 +62,18 @@ def load_qwen3_tts_config(model_dir: str | Path):
     return Qwen3TTSConfig.from_pretrained(str(model_dir))
 
 
-def _eager_predictor_cls():
+def _stock_predictor_cls(compiled: bool):
+    import torch
     from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code_predictor_vllm import (
-        Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM,
+        Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM as Stock,
     )
 
-    class EagerStockCodePredictor(Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM):
-        """The stock predictor with the stock *eager* ``_setup_compile`` branch, whatever the platform."""
+    class StockCodePredictor(Stock):
+        """The stock predictor with one of the two stock ``_setup_compile`` branches, whatever the
+        platform: eager (what vllm-omni runs where its platform has no Inductor, CPU included), or
+        compiled (where it has, GPUs: ``torch.compile(model.forward, dynamic=False,
+        options={"epilogue_fusion": False})`` warmed on every batch bucket up to ``max_num_seqs``,
+        no device graphs; the strongest stock path)."""
 
         def _setup_compile(self) -> None:
             if self._compiled_model_fwd is not None:
@@ -76,20 +81,39 @@ def _eager_predictor_cls():
             self._model_dtype = next(self.model.parameters()).dtype
             self._lm_heads_list = list(self.lm_head)
             self._codec_embeds_list = list(self.model.codec_embedding)
-            self._compiled_model_fwd = self.model.forward
+            if not compiled:
+                self._compiled_model_fwd = self.model.forward
+                return
+            self._compiled_model_fwd = torch.compile(
+                self.model.forward, dynamic=False, options={"epilogue_fusion": False}
+            )
+            with torch._dynamo.config.patch(cache_size_limit=self._compile_cache_size_limit()):
+                self._warmup_buckets()
 
-    return EagerStockCodePredictor
+    StockCodePredictor.__name__ = StockCodePredictor.__qualname__ = (
+        "CompiledStockCodePredictor" if compiled else "EagerStockCodePredictor"
+    )
+    return StockCodePredictor
 
 
 _EAGER_CLS: Any = None
+_COMPILED_CLS: Any = None
 
 
 def eager_predictor_cls():
     """The :class:`EagerStockCodePredictor` class (built lazily: importing it imports vllm_omni)."""
     global _EAGER_CLS
     if _EAGER_CLS is None:
-        _EAGER_CLS = _eager_predictor_cls()
+        _EAGER_CLS = _stock_predictor_cls(compiled=False)
     return _EAGER_CLS
+
+
+def compiled_predictor_cls():
+    """The :class:`CompiledStockCodePredictor` class (built lazily, as :func:`eager_predictor_cls`)."""
+    global _COMPILED_CLS
+    if _COMPILED_CLS is None:
+        _COMPILED_CLS = _stock_predictor_cls(compiled=True)
+    return _COMPILED_CLS
 
 
 def build_stock_predictor(model_dir: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
@@ -136,7 +160,15 @@ def layer0_embedding(
     raise StockBuildError(f"{model_dir} has no {name} (a parts='predictor' checkpoint without outliers?)")
 
 
-def _build_stock_stage(model_dir: str | Path, model_cls, stage: str, worker: str, dtype, load_format: str):
+def _build_stock_stage(
+    model_dir: str | Path,
+    model_cls,
+    stage: str,
+    worker: str,
+    dtype,
+    load_format: str,
+    arch: str | None = None,
+):
     import socket
 
     from vllm.config import DeviceConfig, LoadConfig, VllmConfig
@@ -160,7 +192,7 @@ def _build_stock_stage(model_dir: str | Path, model_cls, stage: str, worker: str
         max_model_len=4096,
         enforce_eager=True,
         model_stage=stage,
-        model_arch=model_cls.__name__,
+        model_arch=arch or model_cls.__name__,
         worker_type=worker,
     )
     vllm_config = VllmConfig(
@@ -230,6 +262,7 @@ __all__ = [
     "build_stock_code2wav",
     "build_stock_predictor",
     "build_stock_talker",
+    "compiled_predictor_cls",
     "eager_predictor_cls",
     "iter_checkpoint",
     "layer0_embedding",

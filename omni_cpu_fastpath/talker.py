@@ -6,23 +6,28 @@ when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
 
 - VLLM_OMNI_PREDICTOR_INCREMENTAL: after weight loading the code predictor becomes
   ``omni_cpu_fastpath.predictor.CachedCodePredictor.from_stock(stock)`` (KV-cached sub-steps,
-  sharing the stock weights).
+  sharing the stock weights), with VLLM_OMNI_PREDICTOR_COMPILE=step compiled once per batch
+  bucket the runner can reach (``max_num_seqs``), after quantization.
 - VLLM_OMNI_PREDICTOR_INT8 / VLLM_OMNI_PREDICTOR_PARITY_CHECK: the predictor (cached or stock)
   is quantized by ``omni_cpu_fastpath.quant.prepare_served_predictor``; with the parity check on,
   every talker step also runs a float copy teacher-forced on the served codes and records
   ``predictor.parity.*`` into step_stats.
+- ``--dtype float32`` serves: the stock talker builds its input embeddings in bf16 whatever the
+  model's dtype and fails at its first float32 step; this class builds them in the model's dtype.
 - VLLM_OMNI_CPU_FAST_SAMPLER (CPU only): ``prefer_model_sampler = True`` and ``sample()`` uses
   ``omni_cpu_fastpath.sampler.CpuSampler`` (no torch.compile) for codebook 0.
 
 Either one that cannot be built (module missing, construction error) is logged with the reason
-and the stock component serves. Forward, sampling and the talker MTP step are timed into
+and the stock component serves. What serves each piece (``served``: predictor, its int8 scheme
+and compiled buckets, parity, sampler), fallback reasons included, is logged in one line at load
+and recorded with ``step_stats.served``. Forward, sampling and the talker MTP step are timed into
 step_stats (``model.forward_ms``, ``model.sample_ms``, ``model.talker_mtp_ms``).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -34,12 +39,78 @@ from . import envs, step_stats
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log config shows it
 
 
+def _load_module(module: str) -> tuple[Any, str | None]:
+    """The module, or (None, why not)."""
+    try:
+        return importlib.import_module(module), None
+    except Exception as exc:  # a broken install, or a bug at import time
+        return None, f"{module} unavailable ({type(exc).__name__}: {exc})"
+
+
 def _load(module: str, name: str) -> tuple[Any, str | None]:
     """``module.name`` or (None, why not)."""
+    mod, why = _load_module(module)
+    if mod is None:
+        return None, why
     try:
-        return getattr(importlib.import_module(module), name), None
-    except Exception as exc:  # ImportError while the helper module does not exist yet, or its bugs
-        return None, f"{module}.{name} unavailable ({type(exc).__name__}: {exc})"
+        return getattr(mod, name), None
+    except AttributeError as exc:
+        return None, f"{module}.{name} unavailable ({exc})"
+
+
+class ServedPredictorBuild(NamedTuple):
+    predictor: nn.Module
+    checker: Any  # quant.ParityChecker with VLLM_OMNI_PREDICTOR_PARITY_CHECK=1, else None
+    served: dict[str, str]  # component -> what serves it, fallback reasons included
+
+
+def build_served_predictor(stock: nn.Module, max_batch: int, on_cpu: bool = True) -> ServedPredictorBuild:
+    """The predictor the talker serves, built from the flags as the talker builds it at load.
+
+    The cached predictor (not compiled yet), then int8 and the parity copy, then, with
+    VLLM_OMNI_PREDICTOR_COMPILE=step, one compile per bucket the runner can reach
+    (``buckets_for(max_batch)``): compiling last compiles each bucket once, around the weights
+    that will serve. Whatever cannot be built is logged and the stock part serves, with the reason
+    in ``served``.
+    """
+    served: dict[str, str] = {}
+    predictor, cached = stock, None
+    if not envs.get("VLLM_OMNI_PREDICTOR_INCREMENTAL"):
+        served["predictor"] = "stock (VLLM_OMNI_PREDICTOR_INCREMENTAL off)"
+    else:
+        module, why = _load_module("omni_cpu_fastpath.predictor")
+        if module is not None:
+            try:
+                cached = module.CachedCodePredictor.from_stock(
+                    stock, buckets=module.buckets_for(max_batch), warmup=False
+                )
+            except Exception as exc:
+                why = f"CachedCodePredictor.from_stock failed ({type(exc).__name__}: {exc})"
+                logger.exception("omni-cpu-fastpath: %s", why)
+        if cached is not None:
+            predictor = cached
+            served["predictor"] = "cached"
+        else:
+            logger.warning("omni-cpu-fastpath: %s; keeping the stock code predictor", why)
+            served["predictor"] = f"stock ({why})"
+    checker = None
+    if on_cpu:
+        from . import quant
+
+        # A refused flag combination raises here, at load; a missing kernel keeps float weights.
+        predictor, checker, served["predictor.int8"] = quant.prepare_served_predictor(predictor)
+        if checker is not None:
+            checker.candidate = predictor
+            served["predictor.parity"] = "on (teacher-forced fp32 copy)"
+    else:
+        served["predictor.int8"] = "off (not on CPU)"
+    if cached is None:
+        served["predictor.compile"] = "off (stock predictor)"
+    else:
+        if cached.compile_mode == "step":
+            cached.warmup()  # on failure it runs eager, and its status says why
+        served["predictor.compile"] = cached.compile_status
+    return ServedPredictorBuild(predictor, checker, served)
 
 
 class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
@@ -50,23 +121,33 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         # Fails here, at start-up, when VLLM_OMNI_STEP_STATS_DIR is not writable.
         step_stats.configure()
         super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # The stock talker builds its input embeddings in bf16 whatever the model's dtype, which
+        # stops a float32 talker (--dtype float32) at its first step (index_copy_ of bf16 rows
+        # into float32 embeddings). In the model's dtype they fit, and bf16 is unchanged.
+        self._embedding_dtype = vllm_config.model_config.dtype
         self._on_cpu = torch.device(vllm_config.device_config.device).type == "cpu"
-        self._predictor_swapped = False
+        # The largest batch the runner can hand the predictor: its compiled buckets stop there.
+        self._max_batch = int(vllm_config.scheduler_config.max_num_seqs)
+        self._predictor_built = False
         self._parity: Any = None  # quant.ParityChecker when VLLM_OMNI_PREDICTOR_PARITY_CHECK is on
-        self.fast_path: dict[str, str] = {}  # component -> "fast" (with details) or the reason it is stock
+        # component -> what serves it ("cached", "CpuSampler (C kernel)", "stock (why)", ...)
+        self.served: dict[str, str] = {}
         self._model_sampler: nn.Module | None = None
         self._sampler_times_itself = False
         self._init_sampler(vllm_config)
-        logger.info("omni-cpu-fastpath: FastQwen3TTSTalker sampler: %s", self.fast_path["sampler"])
+
+    def _serve(self, component: str, detail: str) -> None:
+        self.served[component] = detail
+        step_stats.served(component, detail)
 
     # --- sampler -------------------------------------------------------------------------------
 
     def _init_sampler(self, vllm_config: Any) -> None:
         if not envs.get("VLLM_OMNI_CPU_FAST_SAMPLER"):
-            self.fast_path["sampler"] = "stock (VLLM_OMNI_CPU_FAST_SAMPLER off)"
+            self._serve("sampler", "vLLM Sampler (VLLM_OMNI_CPU_FAST_SAMPLER off)")
             return
         if not self._on_cpu:
-            self.fast_path["sampler"] = "stock (not on CPU)"
+            self._serve("sampler", "vLLM Sampler (not on CPU)")
             return
         model_config = vllm_config.model_config
         cls, why = _load("omni_cpu_fastpath.sampler", "CpuSampler")
@@ -82,7 +163,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         if sampler is not None:
             # CpuSampler times its whole call as model.sample_ms itself.
             self._sampler_times_itself = True
-            self.fast_path["sampler"] = f"fast ({sampler.kernel_status})"
+            self._serve("sampler", f"CpuSampler ({sampler.kernel_status})")
         else:
             # Keep the model-sampler hook (so the step is timed) with vLLM's own Sampler inside:
             # the same tokens as the runner's default path.
@@ -93,7 +174,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
                 logprobs_mode=model_config.logprobs_mode,
                 use_fp64_gumbel=getattr(model_config, "use_fp64_gumbel", False),
             )
-            self.fast_path["sampler"] = f"stock ({why})"
+            self._serve("sampler", f"vLLM Sampler ({why})")
         self._model_sampler = sampler
         self.prefer_model_sampler = True
 
@@ -109,40 +190,21 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
 
     def load_weights(self, weights: Any) -> set[str]:
         loaded = super().load_weights(weights)
-        self._swap_predictor()
+        self._build_predictor()
         return loaded
 
-    def _swap_predictor(self) -> None:
-        if self._predictor_swapped:
+    def _build_predictor(self) -> None:
+        if self._predictor_built:
             return
-        self._predictor_swapped = True
-        self._swap_cached_predictor()
-        if self._on_cpu:
-            from . import quant
-
-            # A refused flag combination raises here, at load; a missing kernel keeps float weights.
-            self.code_predictor, self._parity = quant.prepare_served_predictor(self.code_predictor)
-            if self._parity is not None:
-                self._parity.candidate = self.code_predictor
-        self.fast_path["int8"] = envs.get("VLLM_OMNI_PREDICTOR_INT8") if self._on_cpu else "off (not on CPU)"
-
-    def _swap_cached_predictor(self) -> None:
-        if not envs.get("VLLM_OMNI_PREDICTOR_INCREMENTAL"):
-            self.fast_path["predictor"] = "stock (VLLM_OMNI_PREDICTOR_INCREMENTAL off)"
-            return
-        cls, why = _load("omni_cpu_fastpath.predictor", "CachedCodePredictor")
-        if cls is not None:
-            try:
-                self.code_predictor = cls.from_stock(self.code_predictor)
-            except Exception as exc:
-                why = f"CachedCodePredictor.from_stock failed ({type(exc).__name__}: {exc})"
-                logger.exception("omni-cpu-fastpath: %s", why)
-            else:
-                self.fast_path["predictor"] = "fast"
-                logger.info("omni-cpu-fastpath: code predictor is CachedCodePredictor")
-                return
-        logger.warning("omni-cpu-fastpath: %s; keeping the stock code predictor", why)
-        self.fast_path["predictor"] = f"stock ({why})"
+        self._predictor_built = True
+        built = build_served_predictor(self.code_predictor, self._max_batch, on_cpu=self._on_cpu)
+        self.code_predictor, self._parity = built.predictor, built.checker
+        for component, detail in built.served.items():
+            self._serve(component, detail)
+        logger.info(
+            "omni-cpu-fastpath: FastQwen3TTSTalker serves: %s",
+            "; ".join(f"{k}: {v}" for k, v in self.served.items()),
+        )
 
     # --- timed entry points --------------------------------------------------------------------
 
@@ -160,8 +222,8 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # Weights loaded without load_weights (``--load-format dummy``) still get the fast predictor.
-        if not self._predictor_swapped:
-            self._swap_predictor()
+        if not self._predictor_built:
+            self._build_predictor()
         with step_stats.timer(step_stats.MODEL_TALKER_MTP, sync=True):
             out = super().talker_mtp(input_ids, input_embeds, last_talker_hidden, text_step, *args, **kwargs)
         if self._parity is not None:

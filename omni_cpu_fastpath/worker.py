@@ -41,7 +41,8 @@ class CpuOmniRunnerError(RuntimeError):
 
 
 class _CpuOmniRunnerMixin:
-    """Shared by both CPU omni runners: rebind device buffers, close a step_stats step."""
+    """Shared by both CPU omni runners: rebind device buffers, close a step_stats step, say
+    which model class serves the stage."""
 
     def _cpu_omni_post_init(self) -> None:
         # vLLM's CPUModelRunner aliased its device buffers to the host ones inside its __init__;
@@ -53,6 +54,13 @@ class _CpuOmniRunnerMixin:
         if compilation_config.max_cudagraph_capture_size is None:
             compilation_config.max_cudagraph_capture_size = 0
 
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        model = self.model  # type: ignore[attr-defined]
+        step_stats.served("model", f"{type(model).__module__}.{type(model).__qualname__}")
+        # vLLM serves a float32 checkpoint in the platform's 16-bit dtype unless --dtype says otherwise.
+        step_stats.served("model.dtype", str(self.model_config.dtype).removeprefix("torch."))  # type: ignore[attr-defined]
+
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         # execute_model then sample_tokens is one engine step; the step's timers end here.
         try:
@@ -62,11 +70,37 @@ class _CpuOmniRunnerMixin:
 
 
 class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
-    """The omni autoregressive runner (talker stage) on vLLM's CPU runner."""
+    """The omni autoregressive runner (talker stage) on vLLM's CPU runner.
+
+    With ``VLLM_OMNI_STEP_STATS_CODES=1`` it writes the codes of every frame of every request
+    (codebook 0 and the predictor's residual codes) to the step-stats folder: the runner serves
+    the stock talker and the fast one alike, so two servers can be compared code for code.
+    """
+
+    _in_talker_mtp = False
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self._cpu_omni_post_init()
+
+    def _talker_mtp_forward(
+        self, decode_req_ids: list[str], inputs_embeds: torch.Tensor, start_offsets: list[int] | None = None
+    ) -> None:
+        # The omni runner calls itself once per row when seeded rows cannot share a batch:
+        # record once, after the outermost call, when every row's codes are in place.
+        outer = not self._in_talker_mtp
+        self._in_talker_mtp = True
+        try:
+            super()._talker_mtp_forward(decode_req_ids, inputs_embeds, start_offsets)
+        finally:
+            if outer:
+                self._in_talker_mtp = False
+        if outer and step_stats.codes_enabled():
+            key, qual = getattr(self.model, "talker_mtp_output_key", ("codes", "audio"))
+            for req_id in decode_req_ids:
+                codes = self.model_intermediate_buffer.get(req_id, {}).get(key, {}).get(qual)
+                if isinstance(codes, torch.Tensor):
+                    step_stats.record_codes(req_id, codes.reshape(-1, codes.shape[-1]).tolist())
 
 
 class CPUGenerationModelRunner(_CpuOmniRunnerMixin, GPUGenerationModelRunner, CPUModelRunner):

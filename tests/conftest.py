@@ -13,8 +13,9 @@ capped through OMP_NUM_THREADS before anything imports torch.
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,35 @@ def model_0p6b_dir(make_checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def model_0p6b_outlier_dir(make_checkpoint) -> Path:
     return make_checkpoint(dims="0.6b", seed=0, parts="predictor", outliers=True)
+
+
+def reference_missing(what: str) -> None:
+    """An independent reference is missing: fail under CI (``CI=true``), skip elsewhere."""
+    if os.environ.get("CI", "").strip().lower() in ("1", "true", "yes", "on"):
+        pytest.fail(f"{what} (CI: the independent references must all be there)", pytrace=False)
+    pytest.skip(what)
+
+
+@pytest.fixture
+def qwen_tts_reference():
+    """``omni_cpu_fastpath.reference``, whose qwen-tts venv (``.venv-ref``) must exist."""
+    from omni_cpu_fastpath import reference
+
+    if not reference.available():
+        reference_missing("the qwen-tts reference venv (.venv-ref) is missing: run make setup")
+    return reference
+
+
+@pytest.fixture
+def vllm_caplog(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """``caplog`` that also sees the package's loggers, which live under vLLM's ``vllm`` logger.
+
+    vLLM's logging config stops ``vllm.*`` records at that logger (no propagation to the root,
+    where caplog listens), so the capture handler is attached to it directly.
+    """
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        vllm_logger.removeHandler(caplog.handler)

@@ -132,7 +132,11 @@ def test_flags_command_json() -> None:
     assert next(r for r in rows if r["name"] == "VLLM_OMNI_PREDICTOR_THREADS")["value"] == 2
 
 
-def test_flags_command_table_shows_bad_value() -> None:
-    out = _cli("flags", env={"VLLM_OMNI_PREDICTOR_COMPILE": "sometimes"})
-    assert out.returncode == 0
+@pytest.mark.parametrize("fmt", [(), ("--json",)], ids=["table", "json"])
+def test_flags_command_shows_bad_value_and_fails(fmt: tuple[str, ...]) -> None:
+    out = _cli("flags", *fmt, env={"VLLM_OMNI_PREDICTOR_COMPILE": "sometimes"})
+    # Printed, so the user sees every flag, and refused through the exit code.
+    assert out.returncode == 2, out.stderr
     assert "VLLM_OMNI_PREDICTOR_COMPILE" in out.stdout and "invalid" in out.stdout
+    assert "VLLM_OMNI_PREDICTOR_COMPILE" in out.stderr
+    assert _cli("flags", *fmt, env={"VLLM_OMNI_PREDICTOR_COMPILE": "step"}).returncode == 0

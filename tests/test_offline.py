@@ -3,7 +3,14 @@
 Nothing is passed that the stock API would not need on a GPU: no deploy config. What makes it
 run on CPU is this package's entry points (the CPU omni platform, and vLLM's CPU platform with
 the omni-stage adjustments). The non-streaming pipeline (``async_chunk=False``: the talker's
-codes go to code2wav in one payload) is run here; the server test covers streaming.
+codes go to code2wav in one payload) is run here; the server tests cover streaming.
+
+The same seeded batch runs four times, one ``Omni`` after another in one interpreter: the stock
+talker and ``FastQwen3TTSTalker`` (int8 off, eager cached predictor) in bf16 (what vLLM serves the
+float32 checkpoint in), and the fast talker eager and compiled in float32 (``dtype="float32"``;
+the stock talker cannot run float32, and in bf16 the compiled step rounds in other places than
+eager). Each pair must give the same codes (recorded by the CPU runner) and the same audio up to
+the rounding of code2wav's batching (exact where the same requests are decoded together).
 
 The engine spawns stage processes, which re-import ``__main__``: it runs in its own interpreter.
 """
@@ -11,6 +18,7 @@ The engine spawns stage processes, which re-import ``__main__``: it runs in its 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -19,26 +27,49 @@ from pathlib import Path
 
 import pytest
 
+from omni_cpu_fastpath import serving
+
 pytestmark = pytest.mark.slow
 
 FRAMES = 12
+# name -> the environment of one Omni run; "stock" is the reference of the others.
+FAST = {"VLLM_OMNI_CPU_FASTPATH": "1", "VLLM_OMNI_PREDICTOR_INT8": "off"}
+RUNS = {
+    "stock": {"VLLM_OMNI_CPU_FASTPATH": "0", "DTYPE": "auto"},
+    "fast-eager": {**FAST, "VLLM_OMNI_PREDICTOR_COMPILE": "off", "DTYPE": "auto"},
+    "fast-eager-fp32": {**FAST, "VLLM_OMNI_PREDICTOR_COMPILE": "off", "DTYPE": "float32"},
+    "fast-step-fp32": {**FAST, "VLLM_OMNI_PREDICTOR_COMPILE": "step", "DTYPE": "float32"},
+}
+PAIRS = {"fast-eager": "stock", "fast-step-fp32": "fast-eager-fp32"}  # run -> its reference
 
 SCRIPT = textwrap.dedent(
     r"""
-    import copy, json, sys
+    import copy, json, os, sys
 
     import numpy as np
 
 
     def main():
+        model, out_dir, frames = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        for name, env in json.loads(sys.argv[4]).items():
+            # Stage processes are spawned by each Omni and inherit the environment of that moment.
+            dtype = env.pop("DTYPE")
+            os.environ.update(env, VLLM_OMNI_STEP_STATS_DIR=f"{out_dir}/{name}/stats")
+            os.makedirs(f"{out_dir}/{name}", exist_ok=True)
+            run(model, f"{out_dir}/{name}", frames, dtype)
+
+
+    def run(model, out_dir, frames, dtype):
         from transformers import AutoConfig, AutoTokenizer
         from vllm_omni import Omni
         from vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder import (
             Qwen3TTSPromptEmbedsBuilder,
         )
 
-        model, out_dir, frames = sys.argv[1], sys.argv[2], int(sys.argv[3])
-        omni = Omni(model=model, async_chunk=False, stage_init_timeout=900)
+        timeouts = {"stage_init_timeout": 3600, "init_timeout": 3600}  # a compiling stage takes minutes
+        # 8 sequences, as omni-cpu-fastpath serve's CPU deploy config: the compiled predictor
+        # compiles one bucket per power of two up to it.
+        omni = Omni(model=model, async_chunk=False, dtype=dtype, max_num_seqs=8, **timeouts)
         try:
             tok = AutoTokenizer.from_pretrained(model)
             talker = AutoConfig.from_pretrained(model, trust_remote_code=True).talker_config
@@ -73,7 +104,8 @@ SCRIPT = textwrap.dedent(
                 sr = mm.get("sr")
                 sr = sr[-1] if isinstance(sr, (list, tuple)) else sr
                 meta.append({"request_id": str(o.request_id), "sr": int(sr), "samples": int(wave.size)})
-            print("RESULT " + json.dumps(meta), flush=True)
+            with open(f"{out_dir}/meta.json", "w") as f:
+                json.dump(meta, f)
         finally:
             omni.close()
 
@@ -90,8 +122,10 @@ def _our_vllm_platform_entry_point_installed() -> bool:
     )
 
 
-def test_offline_omni_api_synthesizes_on_cpu(tiny_model_dir: Path, tmp_path: Path):
+def test_offline_omni_api_synthesizes_on_cpu_and_fast_equals_stock(tiny_model_dir: Path, tmp_path: Path):
     import numpy as np
+
+    from omni_cpu_fastpath import step_stats
 
     assert _our_vllm_platform_entry_point_installed(), (
         "omni_cpu_fastpath.plugins:cpu_vllm_platform is not registered in the entry-point group "
@@ -99,16 +133,17 @@ def test_offline_omni_api_synthesizes_on_cpu(tiny_model_dir: Path, tmp_path: Pat
     )
     script = tmp_path / "offline_omni.py"
     script.write_text(SCRIPT)
+    env = {**os.environ, "VLLM_OMNI_STEP_STATS_CODES": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, str(script), str(tiny_model_dir), str(tmp_path), str(FRAMES)],
+        [sys.executable, str(script), str(tiny_model_dir), str(tmp_path), str(FRAMES), json.dumps(RUNS)],
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=2400,
         check=False,
         cwd=tmp_path,
+        env=env,
     )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
+    if proc.returncode != 0 or not all((tmp_path / name / "meta.json").is_file() for name in RUNS):
         (tmp_path / "offline.log").write_text(proc.stdout + "\n" + proc.stderr)
         # The root cause sits above the engine's long re-raise chain: show every error line too.
         errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln][:40]
@@ -116,20 +151,46 @@ def test_offline_omni_api_synthesizes_on_cpu(tiny_model_dir: Path, tmp_path: Pat
             "offline run failed:\n" + "\n".join(errors) + f"\n--- tail ---\n{proc.stderr[-3000:]}",
             pytrace=False,
         )
-    meta = json.loads(lines[-1][len("RESULT ") :])
-    assert len(meta) == 3 and len({m["request_id"] for m in meta}) == 3
 
-    st = json.loads((tiny_model_dir / "speech_tokenizer" / "config.json").read_text())
-    rate = int(st.get("output_sample_rate") or st["sample_rate"])
-    per_frame = int(st.get("decode_upsample_rate") or rate * 2 // 25)
-    audio = [np.load(tmp_path / f"audio{i}.npy") for i in range(3)]
-    for m, a in zip(meta, audio, strict=True):
-        assert m["sr"] == rate
-        assert a.size % per_frame == 0 and 1 <= a.size // per_frame <= FRAMES, (a.size, per_frame)
-        assert np.isfinite(a).all() and np.abs(a).max() > 0
+    rate = serving.sample_rate_of(tiny_model_dir)
+    per_frame = rate * 2 // 25  # 80 ms frames
+    audio: dict[str, list[np.ndarray]] = {}
+    for name in RUNS:
+        meta = json.loads((tmp_path / name / "meta.json").read_text())
+        assert len(meta) == 3 and len({m["request_id"] for m in meta}) == 3
+        audio[name] = [np.load(tmp_path / name / f"audio{i}.npy") for i in range(3)]
+        for m, a in zip(meta, audio[name], strict=True):
+            assert m["sr"] == rate
+            assert a.size % per_frame == 0 and 1 <= a.size // per_frame <= FRAMES, (a.size, per_frame)
+            assert np.isfinite(a).all() and np.abs(a).max() > 0
     # The same prompt with the same seed in one batch: the same waveform; another text: another.
     # (Random weights give quiet audio: compare relative to its peak.)
-    peak = float(np.abs(audio[0]).max())
-    assert audio[0].shape == audio[1].shape
-    assert float(np.abs(audio[0] - audio[1]).max()) <= 1e-4 * peak
-    assert audio[0].shape != audio[2].shape or float(np.abs(audio[0] - audio[2]).max()) > 1e-2 * peak
+    stock = audio["stock"]
+    peak = float(np.abs(stock[0]).max())
+    assert stock[0].shape == stock[1].shape
+    assert float(np.abs(stock[0] - stock[1]).max()) <= 1e-4 * peak
+    assert stock[0].shape != stock[2].shape or float(np.abs(stock[0] - stock[2]).max()) > 1e-2 * peak
+
+    # What served each run, and the fast runs against the stock one: codes and samples equal.
+    served = {}
+    codes = {}
+    for name in RUNS:
+        stats = tmp_path / name / "stats"
+        (served[name],) = [c for c in step_stats.served_dir(stats).values() if "talker" in c["model"].lower()]
+        codes[name] = sorted(map(repr, step_stats.codes_dir(stats).values()))
+    assert served["stock"]["model"].endswith("Qwen3TTSTalkerForConditionalGeneration")
+    assert len(codes["stock"]) == 3
+    for name in RUNS:
+        assert served[name]["model.dtype"] == ("float32" if name.endswith("fp32") else "bfloat16")
+        if name != "stock":
+            assert served[name]["model"] == "omni_cpu_fastpath.talker.FastQwen3TTSTalker"
+            assert served[name]["predictor"] == "cached" and served[name]["predictor.int8"] == "off"
+    assert served["fast-step-fp32"]["predictor.compile"].startswith("step (buckets 1,2,4,8")
+    for name, ref in PAIRS.items():
+        assert codes[name] == codes[ref], f"{name}: codes differ from {ref}'s"
+        for i, (a, b) in enumerate(zip(audio[name], audio[ref], strict=True)):
+            # Equal codes, so equal audio up to code2wav's own rounding: offline, code2wav decodes
+            # whichever requests finished together as one padded batch, and which those are
+            # follows the talker's timing, which the compiled step changes.
+            assert a.shape == b.shape, (name, i)
+            assert float(np.abs(a - b).max()) <= 1e-5 * float(np.abs(b).max()), (name, i)

@@ -105,11 +105,8 @@ def test_teacher_forced_logits_match_stock_tiny(tiny: dict) -> None:
     assert _rel(got, ref) < 1e-4
 
 
-def test_greedy_and_teacher_forced_match_qwen_tts_reference_tiny(tiny: dict) -> None:
-    from omni_cpu_fastpath import reference
-
-    if not reference.available():
-        pytest.skip("the qwen-tts reference venv (.venv-ref) is not set up")
+def test_greedy_and_teacher_forced_match_qwen_tts_reference_tiny(tiny: dict, qwen_tts_reference) -> None:
+    reference = qwen_tts_reference
     inp = tiny["inp"]
     out = reference.run_reference(tiny["dir"], inp["last_talker_hidden"][:, 0], inp["layer0_code"][:, 0])
     got = tiny["cached"](**inp, do_sample=False)
@@ -118,9 +115,9 @@ def test_greedy_and_teacher_forced_match_qwen_tts_reference_tiny(tiny: dict) -> 
     assert _rel(tf, out["teacher_logits"]) < 1e-4
 
 
-def test_projection_layout_tiny_proj(make_checkpoint) -> None:
+def test_projection_layout_tiny_proj(make_checkpoint, qwen_tts_reference) -> None:
     """The 1.7B layout: talker wider than the predictor, a projection in front of it."""
-    from omni_cpu_fastpath import reference
+    reference = qwen_tts_reference
 
     model_dir = make_checkpoint(dims="tiny-proj", seed=3)
     stock = _stock(model_dir)
@@ -136,14 +133,13 @@ def test_projection_layout_tiny_proj(make_checkpoint) -> None:
         _rel(cached.teacher_forced_logits(**inp, codes=codes), _stock_teacher_forced(stock, inp, codes))
         < 1e-4
     )
-    if reference.available():
-        out = reference.run_reference(model_dir, inp["last_talker_hidden"][:, 0], inp["layer0_code"][:, 0])
-        assert torch.equal(greedy, out["codes"].long())
+    out = reference.run_reference(model_dir, inp["last_talker_hidden"][:, 0], inp["layer0_code"][:, 0])
+    assert torch.equal(greedy, out["codes"].long())
 
 
 @pytest.mark.slow
-def test_greedy_and_teacher_forced_0p6b(model_0p6b_dir: Path) -> None:
-    from omni_cpu_fastpath import reference
+def test_greedy_and_teacher_forced_0p6b(model_0p6b_dir: Path, qwen_tts_reference) -> None:
+    reference = qwen_tts_reference
 
     torch.set_num_threads(min(2, torch.get_num_threads()))
     stock = _stock(model_0p6b_dir)
@@ -153,13 +149,10 @@ def test_greedy_and_teacher_forced_0p6b(model_0p6b_dir: Path) -> None:
     assert torch.equal(greedy, stock(**inp, do_sample=False))
     # The loop's own logits are the teacher-forced logits of its greedy codes.
     assert _rel(logits, _stock_teacher_forced(stock, inp, greedy)) < 1e-4
-    if reference.available():
-        out = reference.run_reference(
-            model_0p6b_dir, inp["last_talker_hidden"][:, 0], inp["layer0_code"][:, 0]
-        )
-        assert torch.equal(greedy, out["codes"].long())
-        tf = cached.teacher_forced_logits(**inp, codes=out["teacher_codes"].long())
-        assert _rel(tf, out["teacher_logits"]) < 1e-4
+    out = reference.run_reference(model_0p6b_dir, inp["last_talker_hidden"][:, 0], inp["layer0_code"][:, 0])
+    assert torch.equal(greedy, out["codes"].long())
+    tf = cached.teacher_forced_logits(**inp, codes=out["teacher_codes"].long())
+    assert _rel(tf, out["teacher_logits"]) < 1e-4
 
 
 # ------------------------------------------------------------------------------------------------
@@ -319,18 +312,18 @@ def test_compiled_beyond_largest_bucket_runs_eager(tiny: dict, compiled: CachedC
     assert torch.equal(compiled(**inp, do_sample=False), tiny["stock"](**inp, do_sample=False))
 
 
-def test_compile_failure_falls_back_to_eager(tiny: dict, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="omni_cpu_fastpath.predictor"):
+def test_compile_failure_falls_back_to_eager(tiny: dict, vllm_caplog: pytest.LogCaptureFixture) -> None:
+    with vllm_caplog.at_level(logging.WARNING, logger="vllm.omni_cpu_fastpath.predictor"):
         pred = CachedCodePredictor.from_stock(
             tiny["stock"], compile="step", buckets=(1,), compile_options={"no_such_inductor_option": 1}
         )
     assert pred.compile_mode == "off"
-    assert "torch.compile of the step failed" in caplog.text
-    assert "retrying" not in caplog.text  # options without GEMM backends: one attempt
+    assert "torch.compile of the step failed" in vllm_caplog.text
+    assert "retrying" not in vllm_caplog.text  # options without GEMM backends: one attempt
 
 
 def test_batch1_bucket_tries_the_cpp_template_alone_then_with_aten(
-    tiny: dict, caplog: pytest.LogCaptureFixture
+    tiny: dict, vllm_caplog: pytest.LogCaptureFixture
 ) -> None:
     assert [o["max_autotune_gemm_backends"] for o in bucket_compile_options(INDUCTOR_OPTIONS, 1)] == [
         "CPP",
@@ -341,11 +334,11 @@ def test_batch1_bucket_tries_the_cpp_template_alone_then_with_aten(
     assert bucket_compile_options(custom, 1) == [custom]
     # Both attempts fail here (an unknown option): the retry is logged, then the eager fallback.
     options = {"max_autotune_gemm_backends": "CPP,ATEN", "no_such_inductor_option": 1}
-    with caplog.at_level(logging.WARNING, logger="omni_cpu_fastpath.predictor"):
+    with vllm_caplog.at_level(logging.WARNING, logger="vllm.omni_cpu_fastpath.predictor"):
         pred = CachedCodePredictor.from_stock(
             tiny["stock"], compile="step", buckets=(1,), compile_options=options
         )
-    text = caplog.text
+    text = vllm_caplog.text
     assert "retrying with CPP,ATEN" in text and "torch.compile of the step failed" in text
     assert text.index("retrying with CPP,ATEN") < text.index("torch.compile of the step failed")
     assert pred.compile_mode == "off"

@@ -23,6 +23,24 @@ from omni_cpu_fastpath.stock import build_stock_predictor
 
 FAITHFUL = ("w8-channel", "w8-bf16head")  # meet the default's rule relative to bf16
 PER_TENSOR = ("ao-dynamic", "ao-nohead")
+# The documented bounds against fp32 (README, int8 fidelity), stated here, not read from the code.
+# The default's rule is relative to the bf16 control: top-1 at most 2 points below, KL at most 3x.
+TOP1_SLACK, KL_FACTOR = 0.02, 3.0
+# Absolute floors (top-1 at least, KL at most) for the variants the relative rule does not cover:
+# the bf16 control; torchao-w8, whose outlier-channel columns are rounded like the rest; and the
+# per-tensor torch.ao variants, kept for comparison, which must still not be broken outright.
+PARITY_BOUNDS: dict[str, dict[str, float]] = {
+    "bf16": {"top1": 0.95, "kl": 0.005},
+    "torchao-w8": {"top1": 0.93, "kl": 0.008},
+    "ao-dynamic": {"top1": 0.6, "kl": 0.3},
+    "ao-nohead": {"top1": 0.6, "kl": 0.3},
+}
+PARITY_VARIANTS = ["bf16", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel", "w8-bf16head"]
+
+
+def _meets_rule(table: dict[str, dict], variant: str) -> bool:
+    row, bf16 = table[variant], table["bf16"]
+    return row["top1"] >= bf16["top1"] - TOP1_SLACK and row["kl"] <= KL_FACTOR * bf16["kl"]
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +59,7 @@ def test_variants_are_the_flag_choices():
     assert envs.FLAGS["VLLM_OMNI_PREDICTOR_INT8"].choices == envs.INT8_VARIANTS
     for name in envs.INT8_VARIANTS:
         assert quant.config_for(name).name == name
-    assert quant.CPU_DEFAULT_VARIANT in envs.INT8_VARIANTS
+    assert quant.CPU_DEFAULT_VARIANT == "w8-channel" == envs.FLAGS["VLLM_OMNI_PREDICTOR_INT8"].default
 
 
 def test_unknown_variant_is_named():
@@ -260,21 +278,22 @@ def tiny_table(tiny_outlier_model_dir: Path) -> dict[str, dict]:
 def test_absolute_bounds(tiny_table, variant):
     row = tiny_table[variant]
     assert row["frames"] == 64
-    assert row["top1"] >= quant.PARITY_BOUNDS[variant]["top1"], row
-    assert row["kl"] <= quant.PARITY_BOUNDS[variant]["kl"], row
+    assert row["top1"] >= PARITY_BOUNDS[variant]["top1"], row
+    assert row["kl"] <= PARITY_BOUNDS[variant]["kl"], row
 
 
 @pytest.mark.parametrize("variant", FAITHFUL)
 def test_faithful_variants_meet_the_default_rule(tiny_table, variant):
-    rule = quant.default_rule(list(tiny_table.values()))
-    assert rule[variant], (variant, tiny_table[variant], tiny_table["bf16"])
+    assert _meets_rule(tiny_table, variant), (variant, tiny_table[variant], tiny_table["bf16"])
+    # The CLI's "ok"/"outside" column says the same.
+    assert quant.default_rule(list(tiny_table.values()))[variant]
 
 
 @pytest.mark.parametrize("variant", PER_TENSOR)
 def test_per_tensor_variants_fall_outside_the_default_rule(tiny_table, variant):
-    rule = quant.default_rule(list(tiny_table.values()))
-    assert not rule[variant], (variant, tiny_table[variant], tiny_table["bf16"])
-    bound = quant.PARITY_BOUNDS[variant]
+    assert not _meets_rule(tiny_table, variant), (variant, tiny_table[variant], tiny_table["bf16"])
+    assert not quant.default_rule(list(tiny_table.values()))[variant]
+    bound = PARITY_BOUNDS[variant]
     assert tiny_table[variant]["top1"] >= bound["top1"] and tiny_table[variant]["kl"] <= bound["kl"]
 
 
@@ -283,7 +302,7 @@ def test_cli_parity_json(tiny_outlier_model_dir, capsys):
 
     assert main(["parity", str(tiny_outlier_model_dir), "--frames", "2", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["variant"] for r in rows] == list(quant.PARITY_VARIANTS)
+    assert [r["variant"] for r in rows] == PARITY_VARIANTS
     for r in rows:
         assert set(r) == {"variant", "top1", "top5", "kl", "max_logit_diff", "frames"}
         assert r["frames"] == 2 and 0.0 <= r["top1"] <= 1.0
@@ -297,7 +316,7 @@ def test_cli_parity_json(tiny_outlier_model_dir, capsys):
 def test_compiled_step_matches_eager(tiny_stock, tiny_inputs, variant, monkeypatch):
     from omni_cpu_fastpath import predictor
 
-    if variant != quant.CPU_DEFAULT_VARIANT:
+    if variant != "w8-channel":
         # Autotuning costs minutes on 2 busy cores: only the default gets the full serving options
         # (torchao-w8 with them matched eager to 6e-6 of 16 in a one-off run).
         monkeypatch.setitem(predictor.INDUCTOR_OPTIONS, "max_autotune", False)
@@ -322,13 +341,14 @@ def test_prepare_served_predictor_from_flags(tiny_stock, tiny_inputs, monkeypatc
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_INT8", "w8-channel")
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_COMPILE", "off")
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_PARITY_CHECK", "1")
-    pred, checker = quant.prepare_served_predictor(quant.build_variant(tiny_stock, "fp32"))
+    pred, checker, int8 = quant.prepare_served_predictor(quant.build_variant(tiny_stock, "fp32"))
     assert isinstance(pred.model.layers[0].mlp.down_proj, quant.Int8Linear)
     assert isinstance(checker.reference.model.layers[0].mlp.down_proj, nn.Linear)
+    assert int8 == "w8-channel"
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_PARITY_CHECK", "0")
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_INT8", "off")
-    same, none = quant.prepare_served_predictor(pred)
-    assert same is pred and none is None
+    same, none, off = quant.prepare_served_predictor(pred)
+    assert same is pred and none is None and off == "off"
 
 
 def test_stacked_int8pack_mm_reads_the_indexed_head() -> None:

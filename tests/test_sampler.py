@@ -493,15 +493,15 @@ def test_kernel_flag(monkeypatch) -> None:
         CpuSampler()
 
 
-def test_missing_kernel_falls_back_to_numpy_and_says_why(monkeypatch, caplog) -> None:
+def test_missing_kernel_falls_back_to_numpy_and_says_why(monkeypatch, vllm_caplog) -> None:
     import omni_cpu_fastpath.sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "_sampler_kernel", None)
     monkeypatch.setattr(sampler_module, "KERNEL_MISSING", "the C kernel is not built (ImportError: gone)")
-    with caplog.at_level("WARNING", logger="omni_cpu_fastpath.sampler"):
+    with vllm_caplog.at_level("WARNING", logger="vllm.omni_cpu_fastpath.sampler"):
         fast = CpuSampler()
     assert fast.kernel is None and "ImportError: gone" in fast.kernel_status
-    assert "ImportError: gone" in caplog.text
+    assert "ImportError: gone" in vllm_caplog.text
     md = make_input_batch([SamplingParams(**TALKER)], 40, [[1, 2]], [[3]]).sampling_metadata
     assert fast.path(torch.randn(1, 40), md) == "numpy"
     assert fast(torch.randn(1, 40), md).sampled_token_ids.shape == (1, 1)

@@ -1,15 +1,18 @@
 """End to end: the real ``vllm serve MODEL --omni`` server on loopback, on CPU, via the openai client.
 
 One server for the whole module (starting one takes minutes on 2 cores), run the way
-``omni-cpu-fastpath serve`` runs it, with the fast path on and step stats recorded. References:
-the checkpoint's own config (sample rate, frame rate), the same request repeated, and the
-server's own HTTP answers.
+``omni-cpu-fastpath serve`` runs it, with the fast path on (default flags: the int8 predictor,
+CpuSampler) and step stats recorded, codes included. References: the checkpoint's own config
+(sample rate, frame rate), the same request served alone, the codes the runner recorded, the
+server's own HTTP answers and metrics, and the in-situ parity of the int8 predictor against its
+fp32 copy. Requests are what a real client sends, bad ones and abandoned ones included.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 import wave
@@ -33,6 +36,7 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         # The default int8 predictor serves; the parity check runs its fp32 copy beside it.
         "VLLM_OMNI_PREDICTOR_PARITY_CHECK": "1",
         "VLLM_OMNI_STEP_STATS_DIR": str(work / "stats"),
+        "VLLM_OMNI_STEP_STATS_CODES": "1",
         "XDG_CACHE_HOME": str(work / "cache"),
     }
     srv = serving.start_server(str(tiny_model_dir), work / "server.log", env=env)
@@ -43,14 +47,9 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         srv.stop()
 
 
-def _expected_sample_rate(model: Path) -> int:
-    st = json.loads((model / "speech_tokenizer" / "config.json").read_text())
-    return int(st.get("output_sample_rate") or st["sample_rate"])
-
-
 def _samples_per_frame(model: Path) -> int:
     st = json.loads((model / "speech_tokenizer" / "config.json").read_text())
-    return int(st.get("decode_upsample_rate") or _expected_sample_rate(model) * 2 // 25)  # 12.5 Hz frames
+    return int(st.get("decode_upsample_rate") or serving.sample_rate_of(model) * 2 // 25)  # 12.5 Hz frames
 
 
 def _post(server: serving.Server, body: bytes, content_type: str = "application/json") -> tuple[int, str]:
@@ -66,7 +65,7 @@ def _post(server: serving.Server, body: bytes, content_type: str = "application/
 
 def test_wav_has_the_model_sample_rate_and_a_plausible_length(server, tiny_model_dir):
     speech = serving.synthesize(server, "Hello from a CPU.", max_frames=FRAMES, seed=1)
-    assert speech.sample_rate == _expected_sample_rate(tiny_model_dir)
+    assert speech.sample_rate == serving.sample_rate_of(tiny_model_dir)
     with wave.open(BytesIO(speech.wav)) as w:
         assert w.getnchannels() == 1 and w.getsampwidth() == 2
         n = w.getnframes()
@@ -86,7 +85,14 @@ def test_same_seed_same_audio_and_the_seed_matters(server):
     assert a.wav != c.wav
 
 
-def test_eight_concurrent_requests_each_get_their_own_audio(server, tiny_model_dir):
+def _codes(server: serving.Server) -> dict[str, list[list[int]]]:
+    return step_stats.codes_dir(server.env["VLLM_OMNI_STEP_STATS_DIR"])
+
+
+def test_twelve_concurrent_requests_queue_and_each_equals_its_solo_run(server, tiny_model_dir):
+    # The deploy config serves at most 8 sequences at once: 4 of these wait for a free slot.
+    n = 12
+    before = set(_codes(server))
     results: dict[int, serving.Speech] = {}
     errors: list[BaseException] = []
 
@@ -96,35 +102,27 @@ def test_eight_concurrent_requests_each_get_their_own_audio(server, tiny_model_d
         except BaseException as exc:  # collected and re-raised in the test thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(600)
     assert not errors, errors
-    assert sorted(results) == list(range(8))
-    rate = _expected_sample_rate(tiny_model_dir)
+    assert sorted(results) == list(range(n))
+    rate = serving.sample_rate_of(tiny_model_dir)
     assert all(s.sample_rate == rate and s.audio_s > 0 for s in results.values())
-    # Different texts and seeds: eight different waveforms, none mixed up with another.
-    assert len({s.wav for s in results.values()}) == 8
-    # A request's audio does not depend on its batch neighbours: the same request alone.
-    alone = serving.synthesize(server, "Request number 3.", max_frames=FRAMES, seed=103)
-    assert _pcm(alone.wav).shape == _pcm(results[3].wav).shape
-    assert _close(_pcm(alone.wav), _pcm(results[3].wav))
-
-
-def _pcm(data: bytes):
-    import numpy as np
-
-    with wave.open(BytesIO(data)) as w:
-        return np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float64)
-
-
-def _close(a, b) -> bool:
-    import numpy as np
-
-    # Batched and single matmuls may differ in the last bits; the sampled codes must not.
-    return bool(np.sqrt(np.mean((a - b) ** 2)) <= 0.01 * max(1.0, np.sqrt(np.mean(b**2))))
+    assert len({s.wav for s in results.values()}) == n  # different texts and seeds, no mix-ups
+    concurrent_codes = [c for k, c in _codes(server).items() if k not in before]
+    assert len(concurrent_codes) == n
+    # Each request alone gives the same audio and codes: nothing depends on the batch neighbours.
+    alone_codes = []
+    for i in range(n):
+        seen = set(_codes(server))
+        alone = serving.synthesize(server, f"Request number {i}.", max_frames=FRAMES, seed=100 + i)
+        assert alone.wav == results[i].wav, f"request {i}: batched audio differs from the same request alone"
+        (new,) = [c for k, c in _codes(server).items() if k not in seen]
+        alone_codes.append(new)
+    assert sorted(map(repr, alone_codes)) == sorted(map(repr, concurrent_codes))
 
 
 def test_streaming_request_returns_audio_early(server, tiny_model_dir):
@@ -133,7 +131,7 @@ def test_streaming_request_returns_audio_early(server, tiny_model_dir):
         "Streaming output.",
         max_frames=FRAMES,
         seed=5,
-        sample_rate=_expected_sample_rate(tiny_model_dir),
+        sample_rate=serving.sample_rate_of(tiny_model_dir),
     )
     assert speech.ttfa_s is not None and 0 < speech.ttfa_s <= speech.wall_s
     assert speech.audio_s > 0
@@ -159,18 +157,130 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(server, body, what)
     assert ok.audio_s > 0
 
 
-def test_served_path_records_the_model_timers(server):
+def _client(server: serving.Server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=300, max_retries=0)
+
+
+def _still_serving(server: serving.Server) -> None:
+    assert server.healthy()
+    ok = serving.synthesize(server, "Still here.", max_frames=4, seed=3)
+    assert ok.audio_s > 0
+
+
+def test_wrong_model_name_is_a_404_with_a_message(server):
+    import openai
+
+    with pytest.raises(openai.NotFoundError) as err:
+        _client(server).audio.speech.create(model="no-such-model", voice="vivian", input="Hello.")
+    assert "no-such-model" in str(err.value) and "does not exist" in str(err.value)
+    _still_serving(server)
+
+
+def test_unsupported_response_format_is_a_400_naming_the_formats(server):
+    import openai
+
+    # "aac" is one of the OpenAI API's formats; vllm-omni does not encode it.
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(server).audio.speech.create(
+            model=server.model, voice="vivian", input="Hello.", response_format="aac"
+        )
+    assert "response_format" in str(err.value) and "wav" in str(err.value)
+    _still_serving(server)
+
+
+def test_input_longer_than_the_context_is_a_400_naming_the_limit(server):
+    import openai
+
+    text = " ".join(f"word{i}" for i in range(6000))  # far more tokens than the talker's 4096 positions
+    with pytest.raises(openai.BadRequestError) as err:
+        _client(server).audio.speech.create(model=server.model, voice="vivian", input=text)
+    assert "maximum model length of 4096" in str(err.value), str(err.value)
+    _still_serving(server)
+
+
+def _pipeline_requests_running(server: serving.Server) -> float:
+    with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as r:
+        text = r.read().decode()
+    (value,) = [
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm_omni:num_requests_running")
+    ]
+    return value
+
+
+def test_client_disconnect_mid_stream_frees_the_request(server):
+    import http.client
+
+    before = set(_codes(server))
+    cap = 400  # frames the abandoned request may run to: 32 s of audio
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
+    body = {
+        "model": server.model,
+        "input": "A long story that nobody will listen to the end of.",
+        "voice": "vivian",
+        "max_new_tokens": cap,
+        "stream": True,
+        "stream_format": "audio",
+        "response_format": "pcm",
+    }
+    conn.request("POST", "/v1/audio/speech", json.dumps(body), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200
+    assert response.read1(4096), "no first audio chunk"
+    conn.close()  # the client goes away mid-stream
+
+    # The server aborts the request: the pipeline has nothing running, the talker stops.
+    deadline = time.monotonic() + 120
+    while _pipeline_requests_running(server) > 0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _pipeline_requests_running(server) == 0
+    # A step already running when the abort arrived still finishes: wait until its codes stay put.
+    counts: list[dict[str, int]] = []
+    while len(counts) < 2 or counts[-1] != counts[-2]:
+        assert time.monotonic() < deadline + 30, f"the abandoned request keeps stepping: {counts}"
+        counts.append({k: len(c) for k, c in _codes(server).items() if k not in before})
+        time.sleep(1.0)
+    new = counts[-1]
+    assert len(new) == 1, f"expected the codes of the abandoned request alone: {new}"
+    ((abandoned, stopped_at),) = new.items()
+    assert 0 < stopped_at < cap, stopped_at
+    # The next requests run alone: full length, and the abandoned one takes no more steps.
+    seen = set(_codes(server))
+    for seed in (41, 42):
+        speech = serving.synthesize(server, "After the disconnect.", max_frames=FRAMES, seed=seed)
+        assert speech.audio_s > 0
+    assert len(_codes(server)[abandoned]) == stopped_at
+    after = {k: len(c) for k, c in _codes(server).items() if k not in seen}
+    # Full length: a frame's residual codes are predicted in the step after its codebook-0 token
+    # is sampled, so a request capped at FRAMES tokens records FRAMES - 1 whole frames.
+    assert len(after) == 2 and all(n == FRAMES - 1 for n in after.values()), (after, FRAMES)
+
+
+def test_served_path_records_the_model_timers_and_components(server):
     serving.synthesize(server, "Timers.", max_frames=FRAMES, seed=9)
     stats_dir = Path(server.env["VLLM_OMNI_STEP_STATS_DIR"])
     summary = step_stats.summarize_dir(stats_dir)
     for name in ("model.forward_ms", "model.sample_ms", "model.talker_mtp_ms", "sampler.draw_ms"):
         assert summary.get(name, {}).get("count", 0) > 0, (name, sorted(summary))
-    # The talker's first codebook is sampled by CpuSampler's C kernel.
-    assert "FastQwen3TTSTalker sampler: fast (C kernel)" in server.log_path.read_text(errors="replace")
+    # What served, as the talker recorded it and logged it in one line at load.
+    (talker,) = [c for c in step_stats.served_dir(stats_dir).values() if "talker" in c["model"].lower()]
+    assert talker["model"] == "omni_cpu_fastpath.talker.FastQwen3TTSTalker"
+    assert talker["predictor"] == "cached"
+    assert talker["predictor.int8"] == "w8-channel"
+    assert talker["predictor.compile"] == "off"
+    assert talker["predictor.parity"].startswith("on")
+    assert talker["sampler"] == "CpuSampler (C kernel)"
+    assert "FastQwen3TTSTalker serves: " in server.log_path.read_text(errors="replace")
+    # Every codebook-0 step took the C kernel's road.
+    assert summary["sampler.road.kernel"]["count"] > 0 and "sampler.road.numpy" not in summary
     # In-situ parity of the served (int8) predictor against its fp32 copy, 15 values per frame.
     top1, kl = summary["predictor.parity.top1"], summary["predictor.parity.kl"]
     assert top1["count"] >= 15 and top1["count"] % 15 == 0
     assert 0.0 <= top1["mean"] <= 1.0 and top1["max"] <= 1.0
+    # The bounds README states for the tiny model served in int8 (random weights, no outliers).
     assert top1["mean"] >= 0.8, "the served int8 predictor disagrees with fp32 on the top-1 code"
     assert 0.0 <= kl["mean"] < 0.1
     assert summary["predictor.parity.max_logit_diff"]["max"] > 0.0  # int8 really serves, not fp32

@@ -121,9 +121,10 @@ def test_process_writes_summary_at_exit_and_stats_command(tmp_path: Path) -> Non
     )
     assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
-    assert data["model.forward_ms"] == pytest.approx(
+    assert data["counters"]["model.forward_ms"] == pytest.approx(
         {"count": 5, "mean": 2.0, "p50": 2.0, "p90": 3.6, "max": 4.0}
     )
+    assert data["served"] == {}
 
     table = subprocess.run(
         [sys.executable, "-m", "omni_cpu_fastpath.cli", "stats", str(tmp_path)],
@@ -147,3 +148,41 @@ def test_stats_command_on_missing_or_bad_folder(tmp_path: Path) -> None:
         text=True,
     )
     assert out.returncode == 2 and "1.jsonl:1" in out.stderr
+
+
+def test_served_components_and_codes(tmp_path: Path) -> None:
+    code = (
+        "from omni_cpu_fastpath import step_stats\n"
+        "step_stats.served('predictor', 'cached')\n"
+        "step_stats.served('sampler', 'CpuSampler (C kernel)')\n"
+        "step_stats.record_codes('req-a', [[1] * 16])\n"
+        "step_stats.record('model.forward_ms', 1.0)\n"
+        "step_stats.end_step()\n"
+        "step_stats.record_codes('req-a', [[2] * 16])\n"
+        "step_stats.record_codes('req-b', [[3] * 16])\n"
+        # a fallback at run time replaces the earlier entry
+        "step_stats.served('predictor', 'stock (it broke)')\n"
+        "import os; print(os.getpid())\n"
+    )
+    env = {**os.environ, "VLLM_OMNI_STEP_STATS_DIR": str(tmp_path), "VLLM_OMNI_STEP_STATS_CODES": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    pid = proc.stdout.strip()
+    assert step_stats.served_dir(tmp_path) == {
+        pid: {"predictor": "stock (it broke)", "sampler": "CpuSampler (C kernel)"}
+    }
+    assert step_stats.codes_dir(tmp_path) == {"req-a": [[1] * 16, [2] * 16], "req-b": [[3] * 16]}
+    # The codes file is not mistaken for a file of timers.
+    assert step_stats.summarize_dir(tmp_path)["model.forward_ms"]["count"] == 1
+    cmd = [sys.executable, "-m", "omni_cpu_fastpath.cli", "stats", str(tmp_path)]
+    table = subprocess.run(cmd, capture_output=True, text=True)
+    assert table.returncode == 0, table.stderr
+    assert "served by:" in table.stdout and "stock (it broke)" in table.stdout
+
+    # Codes are written only when asked for.
+    env["VLLM_OMNI_STEP_STATS_CODES"] = "0"
+    env["VLLM_OMNI_STEP_STATS_DIR"] = str(tmp_path / "no-codes")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert step_stats.codes_dir(tmp_path / "no-codes") == {}
+    assert list((tmp_path / "no-codes").glob("*.codes.jsonl")) == []

@@ -111,3 +111,17 @@ def floor_ms(params: int, fmt: str, bandwidth_gbs: float) -> float:
     if bandwidth_gbs <= 0:
         raise ValueError(f"bandwidth must be positive, got {bandwidth_gbs}")
     return params * BYTES_PER_PARAM[fmt] / (bandwidth_gbs * 1e9) * 1e3
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), to print beside every figure: machines differ."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

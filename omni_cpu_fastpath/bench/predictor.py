@@ -26,7 +26,10 @@ import torch.nn as nn
 logger = logging.getLogger(__name__)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-IMPLS = ("stock", "cached-eager", "cached-compiled")
+# "stock-compiled": vllm-omni's own torch.compile path, as it runs on GPU platforms (the strongest
+# stock row); "stock": its eager path, which is what it runs on CPU.
+IMPLS = ("stock", "stock-compiled", "cached-eager", "cached-compiled")
+STOCK_IMPLS = ("stock", "stock-compiled")
 
 
 @contextlib.contextmanager
@@ -68,8 +71,14 @@ def predictor_configs(dims: str) -> tuple[Any, Any]:
     return cp, talker
 
 
-def build_stock_random(dims: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
-    """vllm-omni's Qwen3-TTS code predictor at ``dims`` with random weights, eval mode."""
+def build_stock_random(
+    dims: str, dtype: torch.dtype = torch.float32, seed: int = 0, cls: type[nn.Module] | None = None
+) -> nn.Module:
+    """vllm-omni's Qwen3-TTS code predictor at ``dims`` with random weights, eval mode.
+
+    ``cls``: a subclass to build instead (``stock.compiled_predictor_cls()``); the same seed gives
+    the same weights.
+    """
     from vllm.config import DeviceConfig, VllmConfig
     from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code_predictor_vllm import (
         Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM,
@@ -78,11 +87,34 @@ def build_stock_random(dims: str, dtype: torch.dtype = torch.float32, seed: int 
     cp, talker = predictor_configs(dims)
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with default_dtype(dtype):
-        stock = Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM(
+        stock = (cls or Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM)(
             vllm_config=vllm_config, config=cp, talker_config=talker
         )
     randomize_(stock, seed)
     return stock.eval()
+
+
+def build_stock_compiled(stock: nn.Module, batches: list[int]) -> tuple[nn.Module, float]:
+    """vllm-omni's compiled stock predictor with ``stock``'s weights, warmed up; and its compile seconds.
+
+    Its buckets are those vllm-omni derives from ``max_num_seqs``, set to the largest batch.
+    """
+    from torch._dynamo.utils import counters
+
+    from ..stock import compiled_predictor_cls
+
+    compiled = copy.deepcopy(stock)
+    compiled.__class__ = compiled_predictor_cls()  # the same module; only _setup_compile differs
+    compiled._vllm_config.scheduler_config.max_num_seqs = max(batches)
+    # A stock predictor that has run once holds its eager forward; the copy must set up anew.
+    compiled._compiled_model_fwd = None
+    graphs = int(counters["stats"]["unique_graphs"])
+    t0 = time.perf_counter()
+    compiled._setup_compile()
+    seconds = time.perf_counter() - t0
+    if int(counters["stats"]["unique_graphs"]) == graphs:
+        raise RuntimeError("stock-compiled: vllm-omni's compile path compiled no graph")
+    return compiled, seconds
 
 
 @torch.no_grad()
@@ -126,10 +158,12 @@ def build_impl(
     """The predictor behind ``impl`` (and its compile seconds), sharing ``stock``'s weights."""
     from ..predictor import CachedCodePredictor
 
+    if impl in STOCK_IMPLS and int8:
+        raise ValueError("int8 rows are cached predictors; use impl cached-eager or cached-compiled")
     if impl == "stock":
-        if int8:
-            raise ValueError("int8 rows are cached predictors; use impl cached-eager or cached-compiled")
         return stock, None
+    if impl == "stock-compiled":
+        return build_stock_compiled(stock, batches)
     compiled = impl == "cached-compiled"
     if int8:
         # Quantization rewrites the layers in place: each int8 row gets its own copy of the weights.
@@ -177,7 +211,7 @@ def run(
     """Rows ``{impl, dtype, batch, ms_per_frame, floor_ms, bandwidth_gbs, ratio_to_floor, ...}``."""
     import os
 
-    from .floor import floor_ms, measure_bandwidth, params_per_frame
+    from .floor import cpu_name, floor_ms, measure_bandwidth, params_per_frame
 
     dtypes = dtypes or ["fp32", "bf16"]
     batches = batches or [1, 8]
@@ -194,16 +228,16 @@ def run(
         params = params_per_frame(stock)
         emb_dim = stock.model.codec_embedding[0].weight.shape[1]
         variants: list[tuple[str, str | None]] = [(i, None) for i in impls]
-        variants += [(i, v) for v in int8 for i in impls if i != "stock"]
-        stock_ms: dict[int, float] = {}
+        variants += [(i, v) for v in int8 for i in impls if i not in STOCK_IMPLS]
+        stock_ms: dict[str, dict[int, float]] = {i: {} for i in STOCK_IMPLS}
         for impl, variant in variants:
             pred, compile_s = build_impl(stock, impl, batches, variant)
             fmt = "int8" if variant else dt
             floor = floor_ms(params, fmt, bw.best_gbs)
             for b in batches:
                 ms = time_frames(pred, b, frames, emb_dim, dtype)
-                if impl == "stock":
-                    stock_ms[b] = ms
+                if impl in STOCK_IMPLS:
+                    stock_ms[impl][b] = ms
                 row: dict[str, Any] = {
                     "impl": impl,
                     "dtype": dt,
@@ -212,7 +246,9 @@ def run(
                     "floor_ms": round(floor, 2),
                     "bandwidth_gbs": round(bw.best_gbs, 2),
                     "ratio_to_floor": round(ms / floor, 3),
-                    "speedup_vs_stock": round(stock_ms[b] / ms, 3) if b in stock_ms else None,
+                    "speedup_vs_stock": _ratio(stock_ms["stock"].get(b), ms),
+                    "speedup_vs_stock_compiled": _ratio(stock_ms["stock-compiled"].get(b), ms),
+                    "cpu": cpu_name(),
                     "dims": dims,
                     "threads": torch.get_num_threads(),
                     "load_1min": round(os.getloadavg()[0], 2),
@@ -228,22 +264,27 @@ def run(
     return rows
 
 
+def _ratio(base: float | None, ms: float) -> float | None:
+    return round(base / ms, 3) if base else None
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
     head = (
         f"{'impl':<16}{'int8':<12}{'dtype':<6}{'batch':>6}{'ms/frame':>10}{'floor':>9}{'x floor':>9}"
-        f"{'vs stock':>10}"
+        f"{'vs stock':>10}{'vs compiled stock':>19}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
         vs = f"{r['speedup_vs_stock']:.2f}x" if r["speedup_vs_stock"] else "-"
+        vs_c = f"{r['speedup_vs_stock_compiled']:.2f}x" if r["speedup_vs_stock_compiled"] else "-"
         out.append(
             f"{r['impl']:<16}{r.get('int8', '-'):<12}{r['dtype']:<6}{r['batch']:>6}{r['ms_per_frame']:>10.1f}"
-            f"{r['floor_ms']:>9.1f}{r['ratio_to_floor']:>9.2f}{vs:>10}"
+            f"{r['floor_ms']:>9.1f}{r['ratio_to_floor']:>9.2f}{vs:>10}{vs_c:>19}"
         )
     if rows:
         r = rows[0]
         out.append(
-            f"read bandwidth {r['bandwidth_gbs']} GB/s, {r['threads']} threads, "
+            f"{r['cpu']}: read bandwidth {r['bandwidth_gbs']} GB/s, {r['threads']} threads, "
             f"load {r['load_1min']} at the end"
         )
     return "\n".join(out)

@@ -101,8 +101,8 @@ def stock_sampler(**kwargs: Any) -> Sampler:
         from vllm.platforms import current_platform
 
         raise RuntimeError(
-            f"vLLM's Sampler took {name!r}, not its CPU path (platform {type(current_platform).__name__}); "
-            "set VLLM_TARGET_DEVICE=cpu before vllm is imported"
+            f"vLLM's Sampler took {name!r}, not its CPU path (platform {type(current_platform).__name__}): "
+            "run it where vLLM selects its CPU platform (the CPU build, no accelerator)"
         )
     return sampler
 

@@ -30,7 +30,7 @@ FRAMES = {"tiny": 48, "0.6b": 48}  # 3.84 s of audio per request
 
 def bench_impl(model: Path, impl: str, requests: int, frames: int, workdir: Path) -> dict[str, Any]:
     env = {"VLLM_OMNI_CPU_FASTPATH": "1" if impl == "fast" else "0"}
-    sr = _sample_rate(model)
+    sr = serving.sample_rate_of(model)
     t0 = time.monotonic()
     with serving.running_server(str(model), workdir / f"server-{impl}.log", env=env) as server:
         startup_s = time.monotonic() - t0
@@ -48,11 +48,6 @@ def bench_impl(model: Path, impl: str, requests: int, frames: int, workdir: Path
         "requests": len(runs),
         "startup_s": startup_s,
     }
-
-
-def _sample_rate(model: Path) -> int:
-    st = json.loads((model / "speech_tokenizer" / "config.json").read_text())
-    return int(st.get("output_sample_rate") or st["sample_rate"])
 
 
 def cli(args: argparse.Namespace) -> int:

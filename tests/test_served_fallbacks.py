@@ -1,0 +1,84 @@
+"""Each fast path that cannot run says why, the stock path serves, and the audio still comes.
+
+Faults are injected into real servers on loopback (``tests/fault_injection/sitecustomize.py``, on
+PYTHONPATH, acts in every process of the server): the cached predictor cannot be built and the
+sampler's C kernel is missing (one server), or the compiled predictor step fails at the first
+request after a good warm-up (another). The reference for "the audio still comes" is the
+checkpoint's own frame size; for "says why", the reasons step_stats records and the log.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omni_cpu_fastpath import serving, step_stats
+
+pytestmark = pytest.mark.slow
+
+FAULTS_DIR = Path(__file__).resolve().parent / "fault_injection"
+FRAMES = 8
+
+
+def _served_talker(stats: Path) -> dict[str, str]:
+    processes = step_stats.served_dir(stats).values()
+    (talker,) = [s for s in processes if "talker" in s.get("model", "").lower()]
+    return talker
+
+
+def _serve_with_faults(model: Path, work: Path, faults: str, **env: str) -> tuple[dict, dict, str]:
+    stats = work / "stats"
+    full_env = {
+        "OMNI_TEST_FAULTS": faults,
+        "PYTHONPATH": str(FAULTS_DIR),
+        "VLLM_OMNI_CPU_FASTPATH": "1",
+        "VLLM_OMNI_STEP_STATS_DIR": str(stats),
+        "XDG_CACHE_HOME": str(work / "cache"),
+        **env,
+    }
+    per_frame = serving.sample_rate_of(model) * 2 // 25  # 80 ms frames
+    with serving.running_server(str(model), work / "server.log", env=full_env) as server:
+        before = _served_talker(stats)
+        for seed, stream in ((1, False), (2, True)):
+            if stream:
+                rate = serving.sample_rate_of(model)
+                speech = serving.synthesize_streaming(
+                    server, "Still speaking.", max_frames=FRAMES, seed=seed, sample_rate=rate
+                )
+            else:
+                speech = serving.synthesize(server, "Still speaking.", max_frames=FRAMES, seed=seed)
+            samples = round(speech.audio_s * speech.sample_rate)
+            assert samples > 0 and samples % per_frame == 0, (samples, per_frame)
+        after = _served_talker(stats)
+    return before, after, (work / "server.log").read_text(errors="replace")
+
+
+def test_predictor_construction_error_and_missing_kernel(tiny_model_dir: Path, tmp_path: Path) -> None:
+    before, after, log = _serve_with_faults(tiny_model_dir, tmp_path, "predictor-construction,kernel-missing")
+    # The stock predictor serves, and the reason is recorded and logged.
+    assert before["predictor"].startswith("stock (CachedCodePredictor.from_stock failed"), before
+    assert "injected: CachedCodePredictor cannot be built" in before["predictor"]
+    assert before["predictor.compile"] == "off (stock predictor)"
+    # The int8 default still applies to the stock predictor.
+    assert before["predictor.int8"] == "w8-channel"
+    # CpuSampler takes its numpy road and says why.
+    assert before["sampler"].startswith("CpuSampler (numpy (the C kernel is not built"), before
+    assert "injected: the C kernel is not built" in before["sampler"]
+    assert after == before
+    assert "keeping the stock code predictor" in log
+    assert "FastQwen3TTSTalker serves: " in log
+
+
+def test_compiled_step_failing_at_run_time_falls_back_to_eager(tiny_model_dir: Path, tmp_path: Path) -> None:
+    before, after, log = _serve_with_faults(
+        tiny_model_dir, tmp_path, "compile-at-run-time", VLLM_OMNI_PREDICTOR_COMPILE="step"
+    )
+    assert before["predictor"] == "cached"
+    assert before["predictor.compile"].startswith("step (buckets 1,2,4,8, compiled at load"), before
+    # Each request's bucket failed: it was dropped, with the reason, and the next call padded to the
+    # next bucket, until none was left and the predictor ran eager; the audio came every time.
+    status = after["predictor.compile"]
+    assert status.startswith("eager (dropped buckets 1,2") and "failed at run time" in status, status
+    assert "injected: the compiled step failed" in status, status
+    assert "bucket 1 dropped" in log
