@@ -71,14 +71,8 @@ def predictor_configs(dims: str) -> tuple[Any, Any]:
     return cp, talker
 
 
-def build_stock_random(
-    dims: str, dtype: torch.dtype = torch.float32, seed: int = 0, cls: type[nn.Module] | None = None
-) -> nn.Module:
-    """vllm-omni's Qwen3-TTS code predictor at ``dims`` with random weights, eval mode.
-
-    ``cls``: a subclass to build instead (``stock.compiled_predictor_cls()``); the same seed gives
-    the same weights.
-    """
+def build_stock_random(dims: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> nn.Module:
+    """vllm-omni's Qwen3-TTS code predictor at ``dims`` with random weights, eval mode."""
     from vllm.config import DeviceConfig, VllmConfig
     from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code_predictor_vllm import (
         Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM,
@@ -87,7 +81,7 @@ def build_stock_random(
     cp, talker = predictor_configs(dims)
     vllm_config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with default_dtype(dtype):
-        stock = (cls or Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM)(
+        stock = Qwen3TTSTalkerCodePredictorForConditionalGenerationVLLM(
             vllm_config=vllm_config, config=cp, talker_config=talker
         )
     randomize_(stock, seed)
