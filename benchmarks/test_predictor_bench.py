@@ -36,7 +36,7 @@ def test_stock_compiled_frame(benchmark: Any, predictor_setup: dict[str, Any], r
 
 
 def test_cached_eager_frame(benchmark: Any, predictor_setup: dict[str, Any], record: Any) -> None:
-    from omni_cpu_fastpath.predictor import CachedCodePredictor
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
 
     pred = CachedCodePredictor.from_stock(predictor_setup["stock"], compile="off", threads=0)
     codes = benchmark.pedantic(frame, args=(pred, predictor_setup["inputs"]), rounds=5, warmup_rounds=1)
@@ -46,7 +46,7 @@ def test_cached_eager_frame(benchmark: Any, predictor_setup: dict[str, Any], rec
 
 @pytest.mark.slow
 def test_cached_compiled_frame(benchmark: Any, predictor_setup: dict[str, Any], record: Any) -> None:
-    from omni_cpu_fastpath.predictor import CachedCodePredictor
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
 
     pred = CachedCodePredictor.from_stock(
         predictor_setup["stock"], compile="step", threads=0, buckets=(BATCH,)

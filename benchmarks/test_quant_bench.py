@@ -41,8 +41,8 @@ def test_int8_frame(
 ) -> None:
     import copy
 
-    from omni_cpu_fastpath import quant
-    from omni_cpu_fastpath.predictor import CachedCodePredictor
+    from omni_cpu_fastpath.qwen3_tts import quant
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
 
     pred = CachedCodePredictor.from_stock(
         copy.deepcopy(predictor_setup["stock"]), compile=compile, threads=0, buckets=(BATCH,), warmup=False

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from omni_cpu_fastpath.bench.sampler import stock_sampler, talker_batch, time_steps
-from omni_cpu_fastpath.sampler import CpuSampler
+from omni_cpu_fastpath.qwen3_tts.sampler import CpuSampler
 
 VOCAB = 3072
 

@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--outliers", action="store_true", help="outlier hidden channels and peaked heads")
     s.add_argument("--parts", choices=("all", "predictor"), default="all", help="predictor: only its weights")
-    s.set_defaults(run=_lazy("checkpoint", "cli_make_model"))
+    s.set_defaults(run=_lazy("testing.checkpoint", "cli_make_model"))
 
     s = sub.add_parser("reference", help="greedy codes and teacher-forced logits of the qwen-tts reference")
     s.add_argument("model")
@@ -87,13 +87,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--frames", type=int, default=4)
     s.add_argument("--batch", type=int, default=1)
     s.add_argument("--seed", type=int, default=0)
-    s.set_defaults(run=_lazy("reference", "cli_reference"))
+    s.set_defaults(run=_lazy("testing.reference", "cli_reference"))
 
     s = sub.add_parser("parity", help="int8 variants against fp32, teacher-forced")
     s.add_argument("model")
     s.add_argument("--frames", type=int, default=64)
     s.add_argument("--json", action="store_true")
-    s.set_defaults(run=_lazy("quant", "cli_parity"))
+    s.set_defaults(run=_lazy("qwen3_tts.quant", "cli_parity"))
 
     s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve")
     bench = s.add_subparsers(dest="what", required=True)
@@ -121,14 +121,14 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="vllm serve MODEL --omni with CPU-friendly defaults")
     s.add_argument("model")
     s.add_argument("vllm_args", nargs=argparse.REMAINDER)
-    s.set_defaults(run=_lazy("serving", "cli_serve"))
+    s.set_defaults(run=_lazy("serving.commands", "cli_serve"))
 
     s = sub.add_parser("demo", help="write the tiny model, serve it, synthesize a sentence")
     s.add_argument("--workdir", default=".demo")
     s.add_argument("--text", default="Hello from a CPU. This sentence was synthesized without a GPU.")
     s.add_argument("--port", type=int, default=0)
     s.add_argument("--max-frames", type=int, default=64, help="cap on talker frames (80 ms each)")
-    s.set_defaults(run=_lazy("serving", "cli_demo"))
+    s.set_defaults(run=_lazy("serving.commands", "cli_demo"))
     return p
 
 

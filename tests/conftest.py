@@ -29,7 +29,7 @@ def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., P
     cache: dict[tuple, Path] = {}
 
     def make(**kwargs) -> Path:
-        from omni_cpu_fastpath.checkpoint import make_model
+        from omni_cpu_fastpath.testing.checkpoint import make_model
 
         key = tuple(sorted(kwargs.items()))
         if key not in cache:
@@ -69,8 +69,8 @@ def reference_missing(what: str) -> None:
 
 @pytest.fixture
 def qwen_tts_reference():
-    """``omni_cpu_fastpath.reference``, whose qwen-tts venv (``.venv-ref``) must exist."""
-    from omni_cpu_fastpath import reference
+    """``omni_cpu_fastpath.testing.reference``, whose qwen-tts venv (``.venv-ref``) must exist."""
+    from omni_cpu_fastpath.testing import reference
 
     if not reference.available():
         reference_missing("the qwen-tts reference venv (.venv-ref) is missing: run make setup")

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from omni_cpu_fastpath import checkpoint, cli
-from omni_cpu_fastpath import reference as ref
+from omni_cpu_fastpath import cli
+from omni_cpu_fastpath.testing import checkpoint
+from omni_cpu_fastpath.testing import reference as ref
 
 
 def _safetensors(path: Path) -> dict:
@@ -28,7 +29,7 @@ def test_config_is_read_by_vllm_omni_as_written(tiny_model_dir: Path) -> None:
         configuration_qwen3_tts_tokenizer_v2 as stc,
     )
 
-    from omni_cpu_fastpath.stock import load_qwen3_tts_config
+    from omni_cpu_fastpath.testing.stock import load_qwen3_tts_config
 
     raw = json.loads((tiny_model_dir / "config.json").read_text())
     cfg = load_qwen3_tts_config(tiny_model_dir)
@@ -71,7 +72,7 @@ def test_stock_talker_and_code2wav_load_every_weight(tiny_model_dir: Path, tmp_p
     import torch
     from safetensors.torch import save_file
 
-    from omni_cpu_fastpath.stock import build_stock_code2wav, build_stock_talker, iter_checkpoint
+    from omni_cpu_fastpath.testing.stock import build_stock_code2wav, build_stock_talker, iter_checkpoint
 
     ckpt = dict(iter_checkpoint(tiny_model_dir))
     # The talker's load_weights silently drops anything outside these prefixes: nothing may be there.
@@ -187,7 +188,7 @@ def _predictor_stats(model_dir: Path, rows: int = 16):
     """Per-channel |activation| max at the last layer's qkv_proj input, and teacher-forced top-1 probs."""
     import torch
 
-    from omni_cpu_fastpath.stock import build_stock_predictor, layer0_embedding
+    from omni_cpu_fastpath.testing.stock import build_stock_predictor, layer0_embedding
 
     pred = build_stock_predictor(model_dir)
     seen = []

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from omni_cpu_fastpath.http_status import InputTooLongIs400
+from omni_cpu_fastpath.serving.http_status import InputTooLongIs400
 
 TOO_LONG = (
     "Speech generation failed: The decoder prompt (length 52915) is longer than the maximum model "

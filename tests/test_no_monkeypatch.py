@@ -64,8 +64,10 @@ SCRIPT = textwrap.dedent(
     mods0, classes0 = snapshot()
 
     import omni_cpu_fastpath
-    from omni_cpu_fastpath import cli, envs, plugins, serving, step_stats, noise
-    from omni_cpu_fastpath import omni_platform, vllm_platform, worker, talker
+    from omni_cpu_fastpath import cli, envs, step_stats
+    from omni_cpu_fastpath.qwen3_tts import noise, talker
+    from omni_cpu_fastpath.serving import commands, plugins
+    from omni_cpu_fastpath.serving import omni_platform, vllm_platform, worker
 
     assert plugins.cpu_omni_platform() == plugins.PLATFORM_QUALNAME
     assert plugins.cpu_vllm_platform() == plugins.VLLM_PLATFORM_QUALNAME

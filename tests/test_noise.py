@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from omni_cpu_fastpath.noise import predictor_uniforms
+from omni_cpu_fastpath.qwen3_tts.noise import predictor_uniforms
 
 STEPS = 15
 

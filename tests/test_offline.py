@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_cpu_fastpath import serving
+from omni_cpu_fastpath.serving import commands as serving
 
 pytestmark = pytest.mark.slow
 
@@ -128,7 +128,7 @@ def test_offline_omni_api_synthesizes_on_cpu_and_fast_equals_stock(tiny_model_di
     from omni_cpu_fastpath import step_stats
 
     assert _our_vllm_platform_entry_point_installed(), (
-        "omni_cpu_fastpath.plugins:cpu_vllm_platform is not registered in the entry-point group "
+        "omni_cpu_fastpath.serving.plugins:cpu_vllm_platform is not registered in the entry-point group "
         "vllm.platform_plugins (pyproject.toml), so Omni(model=...) builds Model Runner V2 stage configs"
     )
     script = tmp_path / "offline_omni.py"
@@ -183,7 +183,7 @@ def test_offline_omni_api_synthesizes_on_cpu_and_fast_equals_stock(tiny_model_di
     for name in RUNS:
         assert served[name]["model.dtype"] == ("float32" if name.endswith("fp32") else "bfloat16")
         if name != "stock":
-            assert served[name]["model"] == "omni_cpu_fastpath.talker.FastQwen3TTSTalker"
+            assert served[name]["model"] == "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"
             assert served[name]["predictor"] == "cached" and served[name]["predictor.int8"] == "off"
     assert served["fast-step-fp32"]["predictor.compile"].startswith("step (buckets 1,2,4,8")
     for name, ref in PAIRS.items():

@@ -12,9 +12,11 @@ import json
 import os
 
 import pytest
-import vllm_omni  # noqa: F401  # before omni_cpu_fastpath.omni_platform (see its module docstring)
+import vllm_omni  # noqa: F401  # before omni_cpu_fastpath.serving.omni_platform (see its module docstring)
 
-from omni_cpu_fastpath import envs, plugins, serving
+from omni_cpu_fastpath import envs
+from omni_cpu_fastpath.serving import commands as serving
+from omni_cpu_fastpath.serving import plugins
 
 
 @pytest.fixture
@@ -48,7 +50,7 @@ def test_register_models_switches_the_talker_class(flags):
     )
     from vllm_omni.model_executor.models.registry import OmniModelRegistry
 
-    from omni_cpu_fastpath.talker import FastQwen3TTSTalker
+    from omni_cpu_fastpath.qwen3_tts.talker import FastQwen3TTSTalker
 
     arch = "Qwen3TTSTalkerForConditionalGeneration"
     try:
@@ -81,7 +83,7 @@ def test_platform_names_cpu_workers_that_vllm_omni_accepts():
     from vllm_omni.worker.mixins import OmniWorkerMixin
     from vllm_omni.worker.omni_connector_validation import validate_worker_omni_connector
 
-    from omni_cpu_fastpath.omni_platform import CpuOmniPlatform
+    from omni_cpu_fastpath.serving.omni_platform import CpuOmniPlatform
 
     p = CpuOmniPlatform()
     assert p.is_cpu() and p.device_type == "cpu" and p.is_out_of_tree() and not p.is_cuda()
@@ -107,7 +109,11 @@ def test_platform_hook_fixes_up_an_omni_stage_config(tiny_model_dir, monkeypatch
     from vllm.config import CompilationMode
     from vllm_omni.engine.arg_utils import OmniEngineArgs
 
-    from omni_cpu_fastpath.vllm_platform import DEFAULT_OMNI_KV_BYTES, adjust_omni_stage_config, is_omni_stage
+    from omni_cpu_fastpath.serving.vllm_platform import (
+        DEFAULT_OMNI_KV_BYTES,
+        adjust_omni_stage_config,
+        is_omni_stage,
+    )
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     args = OmniEngineArgs(

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from omni_cpu_fastpath import envs, step_stats
-from omni_cpu_fastpath.predictor import (
+from omni_cpu_fastpath.qwen3_tts.predictor import (
     INDUCTOR_OPTIONS,
     CachedCodePredictor,
     bucket_compile_options,
@@ -31,15 +31,15 @@ STEPS = 15
 
 
 def _stock(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    from omni_cpu_fastpath.stock import build_stock_predictor
+    from omni_cpu_fastpath.testing.stock import build_stock_predictor
 
     return build_stock_predictor(model_dir, dtype)
 
 
 def _inputs(model_dir: Path, rows: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict:
     """Talker hidden ``[B, 1, Ht]``, layer-0 codes ``[B, 1]`` and their talker embeddings."""
-    from omni_cpu_fastpath.reference import random_inputs
-    from omni_cpu_fastpath.stock import layer0_embedding
+    from omni_cpu_fastpath.testing.reference import random_inputs
+    from omni_cpu_fastpath.testing.stock import layer0_embedding
 
     r = random_inputs(model_dir, rows, seed)
     return {
@@ -313,7 +313,7 @@ def test_compiled_beyond_largest_bucket_runs_eager(tiny: dict, compiled: CachedC
 
 
 def test_compile_failure_falls_back_to_eager(tiny: dict, vllm_caplog: pytest.LogCaptureFixture) -> None:
-    with vllm_caplog.at_level(logging.WARNING, logger="vllm.omni_cpu_fastpath.predictor"):
+    with vllm_caplog.at_level(logging.WARNING, logger="vllm.omni_cpu_fastpath.qwen3_tts.predictor"):
         pred = CachedCodePredictor.from_stock(
             tiny["stock"], compile="step", buckets=(1,), compile_options={"no_such_inductor_option": 1}
         )
@@ -334,7 +334,7 @@ def test_batch1_bucket_tries_the_cpp_template_alone_then_with_aten(
     assert bucket_compile_options(custom, 1) == [custom]
     # Both attempts fail here (an unknown option): the retry is logged, then the eager fallback.
     options = {"max_autotune_gemm_backends": "CPP,ATEN", "no_such_inductor_option": 1}
-    with vllm_caplog.at_level(logging.WARNING, logger="vllm.omni_cpu_fastpath.predictor"):
+    with vllm_caplog.at_level(logging.WARNING, logger="vllm.omni_cpu_fastpath.qwen3_tts.predictor"):
         pred = CachedCodePredictor.from_stock(
             tiny["stock"], compile="step", buckets=(1,), compile_options=options
         )
@@ -360,7 +360,7 @@ def test_shares_stock_weights_and_names(tiny: dict) -> None:
 
 
 def test_load_weights_through_stock_mapping(tiny_model_dir: Path, make_checkpoint) -> None:
-    from omni_cpu_fastpath.stock import PREDICTOR_PREFIX, iter_checkpoint
+    from omni_cpu_fastpath.testing.stock import PREDICTOR_PREFIX, iter_checkpoint
 
     other = make_checkpoint(dims="tiny", seed=11)
     cached = CachedCodePredictor.from_stock(_stock(tiny_model_dir), compile="off")

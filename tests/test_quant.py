@@ -17,9 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from omni_cpu_fastpath import envs, quant, step_stats
-from omni_cpu_fastpath.predictor import CachedCodePredictor
-from omni_cpu_fastpath.stock import build_stock_predictor
+from omni_cpu_fastpath import envs, step_stats
+from omni_cpu_fastpath.qwen3_tts import quant
+from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
+from omni_cpu_fastpath.testing.stock import build_stock_predictor
 
 FAITHFUL = ("w8-channel", "w8-bf16head")  # meet the default's rule relative to bf16
 PER_TENSOR = ("ao-dynamic", "ao-nohead")
@@ -314,7 +315,7 @@ def test_cli_parity_json(tiny_outlier_model_dir, capsys):
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["w8-channel", "torchao-w8"])
 def test_compiled_step_matches_eager(tiny_stock, tiny_inputs, variant, monkeypatch):
-    from omni_cpu_fastpath import predictor
+    from omni_cpu_fastpath.qwen3_tts import predictor
 
     if variant != "w8-channel":
         # Autotuning costs minutes on 2 busy cores: only the default gets the full serving options

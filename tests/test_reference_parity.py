@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from omni_cpu_fastpath import reference as ref
+from omni_cpu_fastpath.testing import reference as ref
 
 pytestmark = pytest.mark.usefixtures("qwen_tts_reference")  # fails under CI when .venv-ref is missing
 
@@ -58,7 +58,7 @@ def reference_runs(make_checkpoint) -> dict[str, tuple[Path, dict, dict]]:
 def _check_parity(model_dir: Path, inputs: dict, out: dict) -> float:
     import torch
 
-    from omni_cpu_fastpath.stock import build_stock_predictor, layer0_embedding
+    from omni_cpu_fastpath.testing.stock import build_stock_predictor, layer0_embedding
 
     hidden, layer0 = inputs["talker_hidden"], inputs["layer0_codes"]
     rows = hidden.shape[0]

@@ -28,9 +28,10 @@ from vllm.v1.sample.ops.topk_topp_sampler import (  # noqa: E402
 )
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 
-from omni_cpu_fastpath import noise, step_stats  # noqa: E402
+from omni_cpu_fastpath import step_stats  # noqa: E402
 from omni_cpu_fastpath.bench.sampler import make_input_batch  # noqa: E402
-from omni_cpu_fastpath.sampler import (  # noqa: E402
+from omni_cpu_fastpath.qwen3_tts import noise  # noqa: E402
+from omni_cpu_fastpath.qwen3_tts.sampler import (  # noqa: E402
     CpuSampler,
     apply_penalties,
     sample_inverse_cdf,
@@ -494,11 +495,11 @@ def test_kernel_flag(monkeypatch) -> None:
 
 
 def test_missing_kernel_falls_back_to_numpy_and_says_why(monkeypatch, vllm_caplog) -> None:
-    import omni_cpu_fastpath.sampler as sampler_module
+    import omni_cpu_fastpath.qwen3_tts.sampler as sampler_module
 
     monkeypatch.setattr(sampler_module, "_sampler_kernel", None)
     monkeypatch.setattr(sampler_module, "KERNEL_MISSING", "the C kernel is not built (ImportError: gone)")
-    with vllm_caplog.at_level("WARNING", logger="vllm.omni_cpu_fastpath.sampler"):
+    with vllm_caplog.at_level("WARNING", logger="vllm.omni_cpu_fastpath.qwen3_tts.sampler"):
         fast = CpuSampler()
     assert fast.kernel is None and "ImportError: gone" in fast.kernel_status
     assert "ImportError: gone" in vllm_caplog.text
@@ -673,7 +674,7 @@ def test_kernel_seeded_draw_equals_vllm_noise(batch: int) -> None:
     # The kernel's argmax(probs / q) against noise.sampler_exponentials + vLLM's
     # sample_with_exponential_noise: tokens, every generator's state and the next draws, with
     # generators at arbitrary offsets (the mt19937 refill at any point) and mostly-zero probs.
-    import omni_cpu_fastpath.sampler as sampler_module
+    import omni_cpu_fastpath.qwen3_tts.sampler as sampler_module
 
     kernel = CpuSampler(kernel=True).kernel
     assert sampler_module._race_matches_torch(kernel), "the served seeded draw would fall back to torch"

@@ -27,7 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_cpu_fastpath import serving, step_stats
+from omni_cpu_fastpath import step_stats
+from omni_cpu_fastpath.serving import commands as serving
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +153,7 @@ def _assert_same(run: Run, reference: Run) -> None:
 
 
 def _assert_fast(run: Run, compile_status: str) -> None:
-    assert run.served["model"] == "omni_cpu_fastpath.talker.FastQwen3TTSTalker"
+    assert run.served["model"] == "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"
     assert run.served["predictor"] == "cached"
     assert run.served["predictor.int8"] == "off"
     assert run.served["predictor.compile"].startswith(compile_status), run.served

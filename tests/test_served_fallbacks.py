@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_cpu_fastpath import serving, step_stats
+from omni_cpu_fastpath import step_stats
+from omni_cpu_fastpath.serving import commands as serving
 
 pytestmark = pytest.mark.slow
 

@@ -24,8 +24,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from omni_cpu_fastpath import talker
-from omni_cpu_fastpath.stock import build_stock_predictor, layer0_embedding
+from omni_cpu_fastpath.qwen3_tts import talker
+from omni_cpu_fastpath.testing.stock import build_stock_predictor, layer0_embedding
 
 BATCHES = (1, 2, 3, 4, 5, 6, 7, 8)
 
@@ -135,7 +135,7 @@ def test_served_compile_0p6b(model_0p6b_dir, dtype, monkeypatch) -> None:
 
 
 def test_buckets_follow_max_num_seqs() -> None:
-    from omni_cpu_fastpath.predictor import buckets_for
+    from omni_cpu_fastpath.qwen3_tts.predictor import buckets_for
 
     assert buckets_for(1) == (1,)
     assert buckets_for(3) == (1, 2, 3)
@@ -147,7 +147,7 @@ def test_buckets_follow_max_num_seqs() -> None:
 
 def test_float_predictor_then_int8_compiles_once(tiny_model_dir, monkeypatch) -> None:
     """The served build quantizes before compiling: the int8 weights are the only ones compiled."""
-    from omni_cpu_fastpath import quant
+    from omni_cpu_fastpath.qwen3_tts import quant
 
     stock = build_stock_predictor(tiny_model_dir, torch.float32)
     pred, _, _ = _build(stock, torch.float32, "off", "w8-channel", monkeypatch, max_batch=1)

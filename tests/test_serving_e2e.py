@@ -21,7 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from omni_cpu_fastpath import serving, step_stats
+from omni_cpu_fastpath import step_stats
+from omni_cpu_fastpath.serving import commands as serving
 
 pytestmark = pytest.mark.slow
 
@@ -267,7 +268,7 @@ def test_served_path_records_the_model_timers_and_components(server):
         assert summary.get(name, {}).get("count", 0) > 0, (name, sorted(summary))
     # What served, as the talker recorded it and logged it in one line at load.
     (talker,) = [c for c in step_stats.served_dir(stats_dir).values() if "talker" in c["model"].lower()]
-    assert talker["model"] == "omni_cpu_fastpath.talker.FastQwen3TTSTalker"
+    assert talker["model"] == "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"
     assert talker["predictor"] == "cached"
     assert talker["predictor.int8"] == "w8-channel"
     assert talker["predictor.compile"] == "off"

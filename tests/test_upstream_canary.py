@@ -179,7 +179,7 @@ def test_weight_int8pack_mm_schema() -> None:
 def test_inductor_options_exist() -> None:
     import torch._inductor.config as inductor_config
 
-    from omni_cpu_fastpath.predictor import INDUCTOR_OPTIONS
+    from omni_cpu_fastpath.qwen3_tts.predictor import INDUCTOR_OPTIONS
 
     for name in (*INDUCTOR_OPTIONS, "freezing"):
         assert hasattr(inductor_config, name), f"torch._inductor.config has no {name}"

@@ -1,7 +1,7 @@
 """``omni-cpu-fastpath bench predictor``: ms per frame of the code predictor against its floor.
 
 Builds vllm-omni's own predictor at real dimensions with random weights (no checkpoint), wraps it
-in :class:`~omni_cpu_fastpath.predictor.CachedCodePredictor` (eager and compiled), and times one
+in :class:`~omni_cpu_fastpath.qwen3_tts.predictor.CachedCodePredictor` (eager and compiled), and times one
 frame (15 sub-steps) per call for each impl / dtype / batch. Every row carries the memory-bandwidth
 floor of its weight format measured in the same run (``bench.floor``) and its speed-up against the
 stock predictor of the same dtype and batch, measured in the same run.
@@ -50,7 +50,7 @@ def predictor_configs(dims: str) -> tuple[Any, Any]:
         Qwen3TTSTalkerConfig,
     )
 
-    from ..checkpoint import CODEBOOK_VOCAB, NUM_CODE_GROUPS, dims_of
+    from omni_cpu_fastpath.testing.checkpoint import CODEBOOK_VOCAB, NUM_CODE_GROUPS, dims_of
 
     d = dims_of(dims)
     cp = Qwen3TTSTalkerCodePredictorConfig(
@@ -95,7 +95,7 @@ def build_stock_compiled(stock: nn.Module, batches: list[int]) -> tuple[nn.Modul
     """
     from torch._dynamo.utils import counters
 
-    from ..stock import compiled_predictor_cls
+    from omni_cpu_fastpath.testing.stock import compiled_predictor_cls
 
     compiled = copy.deepcopy(stock)
     compiled.__class__ = compiled_predictor_cls()  # the same module; only _setup_compile differs
@@ -150,7 +150,7 @@ def build_impl(
     stock: nn.Module, impl: str, batches: list[int], int8: str | None = None
 ) -> tuple[Any, float | None]:
     """The predictor behind ``impl`` (and its compile seconds), sharing ``stock``'s weights."""
-    from ..predictor import CachedCodePredictor
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
 
     if impl in STOCK_IMPLS and int8:
         raise ValueError("int8 rows are cached predictors; use impl cached-eager or cached-compiled")
@@ -166,9 +166,9 @@ def build_impl(
         stock, compile="step" if compiled else "off", threads=0, buckets=batches, warmup=False
     )
     if int8:
-        if importlib.util.find_spec("omni_cpu_fastpath.quant") is None:
-            raise ValueError("--int8 needs omni_cpu_fastpath.quant, which is not installed")
-        from .. import quant
+        if importlib.util.find_spec("omni_cpu_fastpath.qwen3_tts.quant") is None:
+            raise ValueError("--int8 needs omni_cpu_fastpath.qwen3_tts.quant, which is not installed")
+        from omni_cpu_fastpath.qwen3_tts import quant
 
         quant.quantize_predictor(pred, int8, compile="step" if compiled else "off")
     if compiled and not pred.warmup():

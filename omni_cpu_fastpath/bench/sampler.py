@@ -29,7 +29,7 @@ from vllm.v1.sample.logits_processor import BUILTIN_LOGITS_PROCESSORS, LogitsPro
 from vllm.v1.sample.sampler import Sampler  # noqa: E402
 from vllm.v1.worker.gpu_input_batch import CachedRequestState, InputBatch  # noqa: E402
 
-from ..sampler import CpuSampler  # noqa: E402
+from omni_cpu_fastpath.qwen3_tts.sampler import CpuSampler  # noqa: E402
 
 TALKER_PARAMS = dict(temperature=0.9, top_k=50, top_p=1.0, repetition_penalty=1.05)
 

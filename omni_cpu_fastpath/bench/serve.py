@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .. import serving
+from omni_cpu_fastpath.serving import commands
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the CPU keeps up with it."
 FRAMES = {"tiny": 48, "0.6b": 48}  # 3.84 s of audio per request
@@ -30,13 +30,13 @@ FRAMES = {"tiny": 48, "0.6b": 48}  # 3.84 s of audio per request
 
 def bench_impl(model: Path, impl: str, requests: int, frames: int, workdir: Path) -> dict[str, Any]:
     env = {"VLLM_OMNI_CPU_FASTPATH": "1" if impl == "fast" else "0"}
-    sr = serving.sample_rate_of(model)
+    sr = commands.sample_rate_of(model)
     t0 = time.monotonic()
-    with serving.running_server(str(model), workdir / f"server-{impl}.log", env=env) as server:
+    with commands.running_server(str(model), workdir / f"server-{impl}.log", env=env) as server:
         startup_s = time.monotonic() - t0
-        serving.synthesize_streaming(server, TEXT, max_frames=frames, seed=0, sample_rate=sr)  # warm-up
+        commands.synthesize_streaming(server, TEXT, max_frames=frames, seed=0, sample_rate=sr)  # warm-up
         runs = [
-            serving.synthesize_streaming(server, TEXT, max_frames=frames, seed=1 + i, sample_rate=sr)
+            commands.synthesize_streaming(server, TEXT, max_frames=frames, seed=1 + i, sample_rate=sr)
             for i in range(requests)
         ]
     audio_s = sum(r.audio_s for r in runs)
@@ -51,7 +51,7 @@ def bench_impl(model: Path, impl: str, requests: int, frames: int, workdir: Path
 
 
 def cli(args: argparse.Namespace) -> int:
-    from ..checkpoint import make_model
+    from omni_cpu_fastpath.testing.checkpoint import make_model
 
     if args.requests < 1:
         raise SystemExit("omni-cpu-fastpath bench serve: --requests must be at least 1")

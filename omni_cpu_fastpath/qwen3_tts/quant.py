@@ -66,7 +66,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import envs, step_stats
+from omni_cpu_fastpath import envs, step_stats
+
 from .predictor import stacked_linear
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
@@ -449,7 +450,7 @@ def quantize_predictor(
     """Quantize a code predictor in place and return it.
 
     ``module``: vllm-omni's stock predictor (``model.layers``, ``lm_head`` ModuleList) or a
-    :class:`~omni_cpu_fastpath.predictor.CachedCodePredictor` (its stacked ``heads`` module is
+    :class:`~omni_cpu_fastpath.qwen3_tts.predictor.CachedCodePredictor` (its stacked ``heads`` module is
     replaced). ``variant`` defaults to ``VLLM_OMNI_PREDICTOR_INT8``; ``compile`` to
     ``VLLM_OMNI_PREDICTOR_COMPILE``, and refused combinations raise :class:`QuantError`.
     Quantize after the weights are loaded: replaced linears no longer accept ``load_weights``.
@@ -735,7 +736,7 @@ def make_inputs(model_dir: str | Path, reference: nn.Module, frames: int, seed: 
     talker hidden is Gaussian with unit RMS per channel (the scale of the talker's final RMSNorm
     output) times that norm's weight when the checkpoint has it.
     """
-    from .stock import iter_checkpoint, layer0_embedding
+    from omni_cpu_fastpath.testing.stock import iter_checkpoint, layer0_embedding
 
     g = torch.Generator().manual_seed(seed)
     vocab = int(reference.config.vocab_size)
@@ -784,7 +785,7 @@ def parity_table(
     model_dir: str | Path, frames: int = 64, variants: Sequence[str] = PARITY_VARIANTS, seed: int = 0
 ) -> list[dict[str, Any]]:
     """Offline parity of each variant against fp32 (rows: variant, top1, top5, kl, max_logit_diff, frames)."""
-    from .stock import build_stock_predictor
+    from omni_cpu_fastpath.testing.stock import build_stock_predictor
 
     if frames < 1:
         raise ValueError(f"frames must be >= 1, got {frames}")

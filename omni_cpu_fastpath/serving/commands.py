@@ -5,13 +5,13 @@ defaults, each of which an argument or variable given by the user overrides:
 
 - for Qwen3-TTS (a local folder whose config.json says ``qwen3_tts``, or a released name with
   ``Qwen3-TTS`` in it), ``--deploy-config`` = the CPU deploy config of
-  :func:`omni_cpu_fastpath.plugins.cpu_deploy_config_path`: Model Runner V1 (V2 needs Triton GPU
+  :func:`omni_cpu_fastpath.serving.plugins.cpu_deploy_config_path`: Model Runner V1 (V2 needs Triton GPU
   kernels), eager (no CUDA graphs, no minutes of inductor compile), 8 sequences per stage, a
   talker context of 4096 frames (5.5 minutes of audio), 1 GiB of talker KV cache and 64 MiB for
   code2wav (VLLM_CPU_KVCACHE_SPACE, in GiB for every stage, replaces both), and the cores split
   between the two stage workers (VLLM_CPU_OMP_THREADS_BIND replaces the split);
 - ``--host 127.0.0.1`` (loopback only unless asked otherwise);
-- ``--middleware omni_cpu_fastpath.http_status.InputTooLongIs400``: a too-long input is answered
+- ``--middleware omni_cpu_fastpath.serving.http_status.InputTooLongIs400``: a too-long input is answered
   with a 400 (vllm-omni answers 500);
 - ``--stage-init-timeout`` and ``--init-timeout`` of an hour: a stage that compiles its predictor
   at load takes minutes on a few cores.
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
-MIDDLEWARE = "omni_cpu_fastpath.http_status.InputTooLongIs400"
+MIDDLEWARE = "omni_cpu_fastpath.serving.http_status.InputTooLongIs400"
 INIT_TIMEOUT_S = 3600
 DEMO_VOICE = "vivian"
 # A random checkpoint rarely samples the end-of-speech code, so every request caps its frames
@@ -109,7 +109,7 @@ def _vllm_executable() -> str:
 
 
 def cli_serve(args: argparse.Namespace) -> int:
-    from . import envs
+    from omni_cpu_fastpath import envs
 
     envs.validate_all()
     cmd = serve_command(args.model, args.vllm_args)
@@ -351,7 +351,7 @@ def synthesize_streaming(
 
 def demo_model(workdir: Path) -> Path:
     """The tiny random checkpoint of the demo (written once per workdir)."""
-    from .checkpoint import make_model
+    from omni_cpu_fastpath.testing.checkpoint import make_model
 
     model = workdir / "tiny-model"
     if (
@@ -363,7 +363,7 @@ def demo_model(workdir: Path) -> Path:
 
 
 def cli_demo(args: argparse.Namespace) -> int:
-    from . import envs, step_stats
+    from omni_cpu_fastpath import envs, step_stats
 
     envs.validate_all()
     workdir = Path(args.workdir).resolve()

@@ -284,7 +284,7 @@ static PyObject *sample_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
  * u = (word & (2^53 - 1)) * 2^-53 and returns (float)(-log(1 - u)). Here the same words are taken
  * from a copy of the generator's state (Generator.get_state(): a THGeneratorState), so the state
  * written back is the one exponential_ leaves; the log is only computed where probs > 0, since
- * elsewhere probs / q is 0 (or NaN when q is -0.0, u = 0). omni_cpu_fastpath.sampler checks the
+ * elsewhere probs / q is 0 (or NaN when q is -0.0, u = 0). omni_cpu_fastpath.qwen3_tts.sampler checks the
  * whole once per process against torch and falls back to torch's own draw if they ever differ. */
 
 #define MT_N 624

@@ -13,7 +13,7 @@ copying either:
 
 Model Runner V2 needs Triton GPU kernels, so these workers run the V1 runners; a stage whose
 deploy config asks for ``model_runner: v2`` is refused at start with the reason (the scheduler
-and the runner must agree on the data plane). ``omni_cpu_fastpath.plugins`` points Qwen3-TTS at a
+and the runner must agree on the data plane). ``omni_cpu_fastpath.serving.plugins`` points Qwen3-TTS at a
 deploy config that selects V1 on CPU.
 """
 
@@ -31,7 +31,7 @@ from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
 from vllm_omni.worker.mixins import OmniWorkerMixin
 
-from . import envs, step_stats
+from omni_cpu_fastpath import envs, step_stats
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log config shows it
 

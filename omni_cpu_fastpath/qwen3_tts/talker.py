@@ -1,21 +1,21 @@
 """``FastQwen3TTSTalker``: vllm-omni's Qwen3-TTS talker with the CPU fast paths plugged in.
 
-Registered by ``omni_cpu_fastpath.plugins.register_models`` under the stock architecture name
+Registered by ``omni_cpu_fastpath.serving.plugins.register_models`` under the stock architecture name
 ``Qwen3TTSTalkerForConditionalGeneration`` (the runners' string allow-lists key off it), only
 when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
 
 - VLLM_OMNI_PREDICTOR_INCREMENTAL: after weight loading the code predictor becomes
-  ``omni_cpu_fastpath.predictor.CachedCodePredictor.from_stock(stock)`` (KV-cached sub-steps,
+  ``omni_cpu_fastpath.qwen3_tts.predictor.CachedCodePredictor.from_stock(stock)`` (KV-cached sub-steps,
   sharing the stock weights), with VLLM_OMNI_PREDICTOR_COMPILE=step compiled once per batch
   bucket the runner can reach (``max_num_seqs``), after quantization.
 - VLLM_OMNI_PREDICTOR_INT8 / VLLM_OMNI_PREDICTOR_PARITY_CHECK: the predictor (cached or stock)
-  is quantized by ``omni_cpu_fastpath.quant.prepare_served_predictor``; with the parity check on,
+  is quantized by ``omni_cpu_fastpath.qwen3_tts.quant.prepare_served_predictor``; with the parity check on,
   every talker step also runs a float copy teacher-forced on the served codes and records
   ``predictor.parity.*`` into step_stats.
 - ``--dtype float32`` serves: the stock talker builds its input embeddings in bf16 whatever the
   model's dtype and fails at its first float32 step; this class builds them in the model's dtype.
 - VLLM_OMNI_CPU_FAST_SAMPLER (CPU only): ``prefer_model_sampler = True`` and ``sample()`` uses
-  ``omni_cpu_fastpath.sampler.CpuSampler`` (no torch.compile) for codebook 0.
+  ``omni_cpu_fastpath.qwen3_tts.sampler.CpuSampler`` (no torch.compile) for codebook 0.
 
 Either one that cannot be built (module missing, construction error) is logged with the reason
 and the stock component serves. What serves each piece (``served``: predictor, its int8 scheme
@@ -34,7 +34,7 @@ from torch import nn
 from vllm.logger import init_logger
 from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker import Qwen3TTSTalkerForConditionalGeneration
 
-from . import envs, step_stats
+from omni_cpu_fastpath import envs, step_stats
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log config shows it
 
@@ -78,7 +78,7 @@ def build_served_predictor(stock: nn.Module, max_batch: int, on_cpu: bool = True
     if not envs.get("VLLM_OMNI_PREDICTOR_INCREMENTAL"):
         served["predictor"] = "stock (VLLM_OMNI_PREDICTOR_INCREMENTAL off)"
     else:
-        module, why = _load_module("omni_cpu_fastpath.predictor")
+        module, why = _load_module("omni_cpu_fastpath.qwen3_tts.predictor")
         if module is not None:
             try:
                 cached = module.CachedCodePredictor.from_stock(
@@ -150,7 +150,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
             self._serve("sampler", "vLLM Sampler (not on CPU)")
             return
         model_config = vllm_config.model_config
-        cls, why = _load("omni_cpu_fastpath.sampler", "CpuSampler")
+        cls, why = _load("omni_cpu_fastpath.qwen3_tts.sampler", "CpuSampler")
         sampler: nn.Module | None = None
         if cls is not None:
             try:

@@ -2,8 +2,8 @@
 
 vllm-omni 0.30 ships omni platforms for CUDA, ROCm, NPU, XPU and MUSA only; on a CPU-only machine
 ``current_omni_platform`` is ``UnspecifiedOmniPlatform``, whose worker lookups raise. This class is
-returned by ``omni_cpu_fastpath.plugins.cpu_omni_platform`` (entry-point group
-``vllm_omni.platform_plugins``) and names the CPU workers of ``omni_cpu_fastpath.worker``.
+returned by ``omni_cpu_fastpath.serving.plugins.cpu_omni_platform`` (entry-point group
+``vllm_omni.platform_plugins``) and names the CPU workers of ``omni_cpu_fastpath.serving.worker``.
 
 It is only ever instantiated by vllm-omni's lazy ``current_omni_platform`` lookup; it changes no
 global state itself.
@@ -18,7 +18,7 @@ if "vllm_omni" not in sys.modules:
     # module by name; importing this module first would start that resolution from inside it
     # and hand vllm-omni a half-built module.
     raise ImportError(
-        "omni_cpu_fastpath.omni_platform is loaded by vllm-omni's platform resolution: "
+        "omni_cpu_fastpath.serving.omni_platform is loaded by vllm-omni's platform resolution: "
         "import vllm_omni before importing it"
     )
 
@@ -30,8 +30,8 @@ from .vllm_platform import CpuVllmPlatform  # noqa: E402
 
 logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log config shows it
 
-AR_WORKER = "omni_cpu_fastpath.worker.CPUARWorker"
-GENERATION_WORKER = "omni_cpu_fastpath.worker.CPUGenerationWorker"
+AR_WORKER = "omni_cpu_fastpath.serving.worker.CPUARWorker"
+GENERATION_WORKER = "omni_cpu_fastpath.serving.worker.CPUGenerationWorker"
 
 
 class CpuOmniPlatform(OmniPlatform, CpuVllmPlatform):
@@ -40,7 +40,7 @@ class CpuOmniPlatform(OmniPlatform, CpuVllmPlatform):
     ``OmniPlatform`` comes first in the bases (as in vllm-omni's CUDA platform), so every method it
     declares as ``NotImplementedError`` is defined here; everything else is vLLM's ``CpuPlatform``
     (device name/type ``cpu``, gloo, CPU attention backend, memory-node queries), with the omni
-    stage config adjustments of :class:`omni_cpu_fastpath.vllm_platform.CpuVllmPlatform`.
+    stage config adjustments of :class:`omni_cpu_fastpath.serving.vllm_platform.CpuVllmPlatform`.
     """
 
     _omni_enum = OmniPlatformEnum.OOT

@@ -1,6 +1,6 @@
 """The qwen-tts reference, run by ``.venv-ref/bin/python`` (transformers 4.57.3); never imports vllm.
 
-Invoked by :mod:`omni_cpu_fastpath.reference` as::
+Invoked by :mod:`omni_cpu_fastpath.testing.reference` as::
 
     python _ref_worker.py predictor MODEL_DIR IN.pt OUT.pt [MODEL_DIR IN.pt OUT.pt ...]
     python _ref_worker.py layout MODEL_DIR OUT.pt [MODEL_DIR OUT.pt ...]

@@ -34,7 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import envs, step_stats
+from omni_cpu_fastpath import envs, step_stats
+
 from .noise import predictor_uniforms
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 WORKER = Path(__file__).with_name("_ref_worker.py")
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class ReferenceError(RuntimeError):

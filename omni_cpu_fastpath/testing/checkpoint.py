@@ -720,7 +720,7 @@ def make_model(
     _write_json(
         out / "omni_cpu_fastpath.json",
         {
-            "made_by": "omni_cpu_fastpath.checkpoint.make_model",
+            "made_by": "omni_cpu_fastpath.testing.checkpoint.make_model",
             "dims": dims,
             "kind": kind,
             "seed": seed,

@@ -1,6 +1,6 @@
 """vLLM's CPU platform with the config adjustments omni stages need on CPU.
 
-Returned by ``omni_cpu_fastpath.plugins.cpu_vllm_platform`` (entry-point group
+Returned by ``omni_cpu_fastpath.serving.plugins.cpu_vllm_platform`` (entry-point group
 ``vllm.platform_plugins``) only where vLLM would pick its own CPU platform anyway. vLLM calls
 ``check_and_update_config`` on every ``VllmConfig`` it builds, in every process, which is the one
 place an out-of-tree package sees each stage's config before its scheduler and workers are made.
@@ -18,7 +18,7 @@ from typing import Any
 
 from vllm.platforms.cpu import CpuPlatform
 
-logger = logging.getLogger("vllm.omni_cpu_fastpath.vllm_platform")
+logger = logging.getLogger("vllm.omni_cpu_fastpath.serving.vllm_platform")
 
 # KV cache of an omni stage when neither --kv-cache-memory-bytes nor VLLM_CPU_KVCACHE_SPACE says:
 # vLLM's CPU default reserves gpu_memory_utilization (0.3 in vllm-omni's stage configs) of host RAM

@@ -4,7 +4,7 @@
   when no accelerator is present (VLLM_OMNI_CPU_PLATFORM=auto) or when forced (=1), else None.
 - ``cpu_vllm_platform`` (group ``vllm.platform_plugins``): under the same condition, and where
   vLLM detects its CPU build, vLLM's CPU platform plus the omni-stage config adjustments
-  (``omni_cpu_fastpath.vllm_platform``), so that a plain ``vllm serve MODEL --omni`` runs.
+  (``omni_cpu_fastpath.serving.vllm_platform``), so that a plain ``vllm serve MODEL --omni`` runs.
 - ``register_models`` (group ``vllm_omni.general_plugins``, run in the engine and in every
   worker before model load): registers ``FastQwen3TTSTalker`` under the stock architecture name
   when VLLM_OMNI_CPU_FASTPATH is on, and, on the CPU platform, a Qwen3-TTS pipeline whose default
@@ -22,15 +22,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from . import envs
+from omni_cpu_fastpath import envs
 
 # A child of vLLM's "vllm" logger, so our lines appear in vLLM's log format and level.
-logger = logging.getLogger("vllm.omni_cpu_fastpath.plugins")
+logger = logging.getLogger("vllm.omni_cpu_fastpath.serving.plugins")
 
-PLATFORM_QUALNAME = "omni_cpu_fastpath.omni_platform.CpuOmniPlatform"
-VLLM_PLATFORM_QUALNAME = "omni_cpu_fastpath.vllm_platform.CpuVllmPlatform"
+PLATFORM_QUALNAME = "omni_cpu_fastpath.serving.omni_platform.CpuOmniPlatform"
+VLLM_PLATFORM_QUALNAME = "omni_cpu_fastpath.serving.vllm_platform.CpuVllmPlatform"
 TALKER_ARCH = "Qwen3TTSTalkerForConditionalGeneration"
-FAST_TALKER = "omni_cpu_fastpath.talker:FastQwen3TTSTalker"
+FAST_TALKER = "omni_cpu_fastpath.qwen3_tts.talker:FastQwen3TTSTalker"
 QWEN3_TTS_MODEL_TYPE = "qwen3_tts"
 
 # What the registry held before we replaced it, so that switching the fast path off in a later
@@ -177,7 +177,7 @@ def cpu_deploy_config_path() -> Path:
 
     base = Path(vllm_omni.__file__).parent / "deploy" / "qwen3_tts.yaml"
     text = (
-        f"# Written by omni_cpu_fastpath.plugins (version {CPU_DEPLOY_VERSION}); regenerated as needed.\n"
+        f"# Written by omni-cpu-fastpath (version {CPU_DEPLOY_VERSION}); regenerated as needed.\n"
         + yaml.safe_dump(cpu_deploy_overlay(str(base)), sort_keys=False)
     )
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omni-cpu-fastpath"

@@ -19,7 +19,7 @@ vLLM's functions), and samples a small batch with one torch thread (``max_thread
    divide by 1), argmax-invariant processors (min-p), top-k / top-p - :func:`top_k_top_p`
    (vLLM's eager CPU ``apply_top_k_top_p_pytorch``, with a shortcut for one top-k for all rows);
 5. softmax, then, when some row has a generator, exponential noise from
-   :func:`omni_cpu_fastpath.noise.sampler_exponentials` (the default generator for the whole
+   :func:`omni_cpu_fastpath.qwen3_tts.noise.sampler_exponentials` (the default generator for the whole
    batch, then each seeded row from its own generator, as ``TopKTopPSampler.forward_cpu``) and
    ``argmax(probs / q)``; when none has, vLLM's compiled draw is replaced by an inverse-CDF draw
    (:func:`sample_inverse_cdf`, one uniform per row); greedy rows (temperature < 1e-5) take the
@@ -60,7 +60,7 @@ speculative decoding, calls::
 ``per_req_extra_args`` is added). Before that the runner has clamped ``prompt_token_ids`` to the
 logits vocabulary, dropped min-tokens stop ids the head cannot emit and rebuilt
 ``output_token_ids`` from the input batch. ``None`` from ``sample`` makes the runner fall back to
-its own Sampler. So the talker (``omni_cpu_fastpath.talker``, with ``VLLM_OMNI_CPU_FAST_SAMPLER``
+its own Sampler. So the talker (``omni_cpu_fastpath.qwen3_tts.talker``, with ``VLLM_OMNI_CPU_FAST_SAMPLER``
 on) does::
 
     self.cpu_sampler = CpuSampler(logprobs_mode=model_config.logprobs_mode,
@@ -104,7 +104,8 @@ from vllm.v1.sample.ops.penalties import _convert_to_tensors
 from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch, sample_with_exponential_noise
 from vllm.v1.sample.sampler import Sampler
 
-from . import envs, noise, step_stats
+from omni_cpu_fastpath import envs, step_stats
+from omni_cpu_fastpath.qwen3_tts import noise
 
 try:  # CpuSampler's C kernel (setup.py builds it; optional where no C compiler was found)
     from . import _sampler_kernel
