@@ -50,7 +50,7 @@ def test_int8_frame(
     quant.quantize_predictor(pred, variant, compile=compile)
     if compile == "step":
         pred.warmup()
-        assert pred._compiled is not None, "the compiled step fell back to eager"
+        assert pred.compiler.steps is not None, "the compiled step fell back to eager"
     benchmark.group = f"predictor frame int8 ({DIMS}, batch {BATCH})"
     codes = benchmark.pedantic(frame, args=(pred, predictor_setup["inputs"]), rounds=5, warmup_rounds=1)
     assert codes.shape == (BATCH, 16)

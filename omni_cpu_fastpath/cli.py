@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model")
     s.add_argument("--frames", type=int, default=64)
     s.add_argument("--json", action="store_true")
-    s.set_defaults(run=_lazy("qwen3_tts.quant", "cli_parity"))
+    s.set_defaults(run=_lazy("qwen3_tts.parity", "cli_parity"))
 
     s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve")
     bench = s.add_subparsers(dest="what", required=True)

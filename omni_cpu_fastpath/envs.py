@@ -50,7 +50,7 @@ class Flag:
         return FlagError(f"{self.name}={raw!r} is not valid; accepted values: {self.accepted_values()}")
 
 
-# Names of the int8 predictor variants; ``omni_cpu_fastpath.qwen3_tts.quant`` implements each one.
+# Names of the int8 predictor variants; each is a config class in ``qwen3_tts/quant/configs.py``.
 INT8_VARIANTS = ("off", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel", "w8-bf16head")
 
 FLAGS: dict[str, Flag] = {

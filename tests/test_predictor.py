@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from omni_cpu_fastpath import envs, step_stats
+from omni_cpu_fastpath.qwen3_tts.parity import teacher_forced_logits
 from omni_cpu_fastpath.qwen3_tts.predictor import (
     INDUCTOR_OPTIONS,
     CachedCodePredictor,
@@ -100,7 +101,7 @@ def test_greedy_codes_equal_stock_tiny(tiny: dict) -> None:
 def test_teacher_forced_logits_match_stock_tiny(tiny: dict) -> None:
     codes = torch.randint(0, 2048, (4, 16), generator=torch.Generator().manual_seed(5))
     ref = _stock_teacher_forced(tiny["stock"], tiny["inp"], codes)
-    got = tiny["cached"].teacher_forced_logits(**tiny["inp"], codes=codes)
+    got = teacher_forced_logits(tiny["cached"], **tiny["inp"], codes=codes)
     assert got.shape == ref.shape == (4, STEPS, 2048)
     assert _rel(got, ref) < 1e-4
 
@@ -111,7 +112,7 @@ def test_greedy_and_teacher_forced_match_qwen_tts_reference_tiny(tiny: dict, qwe
     out = reference.run_reference(tiny["dir"], inp["last_talker_hidden"][:, 0], inp["layer0_code"][:, 0])
     got = tiny["cached"](**inp, do_sample=False)
     assert torch.equal(got, out["codes"].long())
-    tf = tiny["cached"].teacher_forced_logits(**inp, codes=out["teacher_codes"].long())
+    tf = teacher_forced_logits(tiny["cached"], **inp, codes=out["teacher_codes"].long())
     assert _rel(tf, out["teacher_logits"]) < 1e-4
 
 
@@ -130,7 +131,7 @@ def test_projection_layout_tiny_proj(make_checkpoint, qwen_tts_reference) -> Non
     assert torch.equal(cached(**inp, generators=_gens(3)), stock(**inp, generators=_gens(3)))
     codes = torch.randint(0, 2048, (3, 16), generator=torch.Generator().manual_seed(9))
     assert (
-        _rel(cached.teacher_forced_logits(**inp, codes=codes), _stock_teacher_forced(stock, inp, codes))
+        _rel(teacher_forced_logits(cached, **inp, codes=codes), _stock_teacher_forced(stock, inp, codes))
         < 1e-4
     )
     out = reference.run_reference(model_dir, inp["last_talker_hidden"][:, 0], inp["layer0_code"][:, 0])
@@ -151,7 +152,7 @@ def test_greedy_and_teacher_forced_0p6b(model_0p6b_dir: Path, qwen_tts_reference
     assert _rel(logits, _stock_teacher_forced(stock, inp, greedy)) < 1e-4
     out = reference.run_reference(model_0p6b_dir, inp["last_talker_hidden"][:, 0], inp["layer0_code"][:, 0])
     assert torch.equal(greedy, out["codes"].long())
-    tf = cached.teacher_forced_logits(**inp, codes=out["teacher_codes"].long())
+    tf = teacher_forced_logits(cached, **inp, codes=out["teacher_codes"].long())
     assert _rel(tf, out["teacher_logits"]) < 1e-4
 
 
@@ -426,7 +427,7 @@ def test_bad_arguments_raise_clearly(tiny: dict) -> None:
     with pytest.raises(ValueError, match="top_p"):
         cached(**inp, top_p=0.0)
     with pytest.raises(ValueError, match="codes must be"):
-        cached.teacher_forced_logits(**inp, codes=torch.zeros(4, 3, dtype=torch.long))
+        teacher_forced_logits(cached, **inp, codes=torch.zeros(4, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="compile must be 'off' or 'step'"):
         CachedCodePredictor.from_stock(tiny["stock"], compile="full")
     with pytest.raises(ValueError, match="threads"):

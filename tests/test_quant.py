@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from omni_cpu_fastpath import envs, step_stats
-from omni_cpu_fastpath.qwen3_tts import quant
+from omni_cpu_fastpath.qwen3_tts import parity, quant
 from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
 from omni_cpu_fastpath.testing.stock import build_stock_predictor
 
@@ -161,7 +161,7 @@ def test_parity_metrics_against_independent_formulas():
     g = torch.Generator().manual_seed(3)
     ref = 3 * torch.randn(6, 4, 50, generator=g)
     cand = ref + 0.5 * torch.randn(6, 4, 50, generator=g)
-    m = quant.parity_metrics(ref, cand)
+    m = parity.parity_metrics(ref, cand)
     for s in range(4):
         r, c = ref[:, s].double(), cand[:, s].double()
         top1 = sum(int(r[b].argmax() == c[b].argmax()) for b in range(6)) / 6
@@ -173,13 +173,13 @@ def test_parity_metrics_against_independent_formulas():
         assert math.isclose(float(m["top5"][s]), top5 / 30)
         assert math.isclose(float(m["kl"][s]), float(kl), rel_tol=1e-9)
         assert math.isclose(float(m["max_logit_diff"][s]), float((r - c).abs().max()), rel_tol=1e-9)
-    same = quant.parity_metrics(ref, ref.clone())
+    same = parity.parity_metrics(ref, ref.clone())
     assert same["top1"].min() == 1 and same["top5"].min() == 1 and float(same["kl"].max()) < 1e-12
 
 
 def test_parity_metrics_shape_error():
     with pytest.raises(ValueError, match="logits must both be"):
-        quant.parity_metrics(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5))
+        parity.parity_metrics(torch.zeros(2, 3, 4), torch.zeros(2, 3, 5))
 
 
 # ------------------------------------------------------------------- predictor integration
@@ -191,12 +191,12 @@ def tiny_stock(tiny_outlier_model_dir: Path) -> nn.Module:
 
 
 @pytest.fixture(scope="module")
-def tiny_inputs(tiny_outlier_model_dir: Path, tiny_stock: nn.Module) -> quant.ParityInputs:
-    ref = quant.build_variant(tiny_stock, "fp32")
-    return quant.make_inputs(tiny_outlier_model_dir, ref, 8, seed=1)
+def tiny_inputs(tiny_outlier_model_dir: Path, tiny_stock: nn.Module) -> parity.ParityInputs:
+    ref = parity.build_variant(tiny_stock, "fp32")
+    return parity.make_inputs(tiny_outlier_model_dir, ref, 8, seed=1)
 
 
-def _tf_args(inp: quant.ParityInputs) -> tuple[torch.Tensor, ...]:
+def _tf_args(inp: parity.ParityInputs) -> tuple[torch.Tensor, ...]:
     return inp.layer0_code, inp.layer0_embed, inp.last_talker_hidden, inp.codes
 
 
@@ -207,9 +207,9 @@ def test_stock_and_cached_quantize_alike(tiny_stock, tiny_inputs, variant):
     import copy
 
     stock = quant.quantize_predictor(copy.deepcopy(tiny_stock), variant, compile="off")
-    cached = quant.build_variant(tiny_stock, variant)
-    a = quant.teacher_forced_logits(stock, *_tf_args(tiny_inputs))
-    b = quant.teacher_forced_logits(cached, *_tf_args(tiny_inputs))
+    cached = parity.build_variant(tiny_stock, variant)
+    a = parity.teacher_forced_logits(stock, *_tf_args(tiny_inputs))
+    b = parity.teacher_forced_logits(cached, *_tf_args(tiny_inputs))
     tol = 1e-4 if variant == "off" else 3e-2
     if variant == "ao-dynamic":  # per-tensor scales span 16 positions vs 1: only roughly equal
         tol = 0.5
@@ -217,20 +217,20 @@ def test_stock_and_cached_quantize_alike(tiny_stock, tiny_inputs, variant):
 
 
 def test_quantizing_twice_is_an_error(tiny_stock):
-    cached = quant.build_variant(tiny_stock, "w8-channel")
+    cached = parity.build_variant(tiny_stock, "w8-channel")
     with pytest.raises(quant.QuantError, match="not nn.Linear"):
         quant.quantize_predictor(cached, "w8-channel", compile="off")
 
 
 def test_parity_checker_records_substeps(tiny_stock, tiny_inputs, tmp_path):
-    served = quant.build_variant(tiny_stock, "w8-channel")
-    reference = quant.build_variant(tiny_stock, "fp32")
+    served = parity.build_variant(tiny_stock, "w8-channel")
+    reference = parity.build_variant(tiny_stock, "fp32")
     args = (tiny_inputs.layer0_code, tiny_inputs.layer0_embed, tiny_inputs.last_talker_hidden)
     g = torch.Generator().manual_seed(5)
     codes, logits = served.forward_cached(*args, do_sample=True, generator=g, return_logits=True)
     step_stats.configure(tmp_path)
     try:
-        checker = quant.ParityChecker(reference, candidate=served)
+        checker = parity.ParityChecker(reference, candidate=served)
         res = checker.check(*args, codes, served_logits=logits)
         res2 = checker.check(*args, codes)  # served logits recomputed teacher-forced
         step_stats.end_step()
@@ -240,8 +240,8 @@ def test_parity_checker_records_substeps(tiny_stock, tiny_inputs, tmp_path):
     for k in ("top1", "top5"):
         torch.testing.assert_close(res.per_substep[k], res2.per_substep[k])
     torch.testing.assert_close(res.per_substep["kl"], res2.per_substep["kl"], rtol=1e-3, atol=1e-7)
-    ref_logits = reference.teacher_forced_logits(*args, codes)
-    expected = quant.parity_metrics(ref_logits, logits)
+    ref_logits = parity.teacher_forced_logits(reference, *args, codes)
+    expected = parity.parity_metrics(ref_logits, logits)
     lines = [json.loads(x) for x in next(tmp_path.glob("*.jsonl")).read_text().splitlines()]
     values = lines[0]["values"]
     for name in ("top1", "top5", "kl", "max_logit_diff"):
@@ -252,15 +252,15 @@ def test_parity_checker_records_substeps(tiny_stock, tiny_inputs, tmp_path):
 
 
 def test_parity_checker_identical_predictor(tiny_stock, tiny_inputs):
-    ref = quant.build_variant(tiny_stock, "fp32")
-    same = quant.reference_copy(ref)
-    res = quant.ParityChecker(ref, candidate=same).check(*_tf_args(tiny_inputs)[:3], tiny_inputs.codes)
+    ref = parity.build_variant(tiny_stock, "fp32")
+    same = parity.reference_copy(ref)
+    res = parity.ParityChecker(ref, candidate=same).check(*_tf_args(tiny_inputs)[:3], tiny_inputs.codes)
     assert res.summary["top1"] == 1.0 and res.summary["kl"] < 1e-10
 
 
 def test_reference_copy_keeps_float_weights(tiny_stock):
     served = CachedCodePredictor(__import__("copy").deepcopy(tiny_stock), compile="off", warmup=False)
-    reference = quant.reference_copy(served)
+    reference = parity.reference_copy(served)
     quant.quantize_predictor(served, "w8-channel", compile="off")
     assert isinstance(reference.model.layers[0].self_attn.qkv_proj, nn.Linear)
     assert isinstance(served.model.layers[0].self_attn.qkv_proj, quant.Int8Linear)
@@ -271,7 +271,7 @@ def test_reference_copy_keeps_float_weights(tiny_stock):
 
 @pytest.fixture(scope="module")
 def tiny_table(tiny_outlier_model_dir: Path) -> dict[str, dict]:
-    rows = quant.parity_table(tiny_outlier_model_dir, frames=64)
+    rows = parity.parity_table(tiny_outlier_model_dir, frames=64)
     return {r["variant"]: r for r in rows}
 
 
@@ -287,13 +287,13 @@ def test_absolute_bounds(tiny_table, variant):
 def test_faithful_variants_meet_the_default_rule(tiny_table, variant):
     assert _meets_rule(tiny_table, variant), (variant, tiny_table[variant], tiny_table["bf16"])
     # The CLI's "ok"/"outside" column says the same.
-    assert quant.default_rule(list(tiny_table.values()))[variant]
+    assert parity.default_rule(list(tiny_table.values()))[variant]
 
 
 @pytest.mark.parametrize("variant", PER_TENSOR)
 def test_per_tensor_variants_fall_outside_the_default_rule(tiny_table, variant):
     assert not _meets_rule(tiny_table, variant), (variant, tiny_table[variant], tiny_table["bf16"])
-    assert not quant.default_rule(list(tiny_table.values()))[variant]
+    assert not parity.default_rule(list(tiny_table.values()))[variant]
     bound = PARITY_BOUNDS[variant]
     assert tiny_table[variant]["top1"] >= bound["top1"] and tiny_table[variant]["kl"] <= bound["kl"]
 
@@ -321,28 +321,28 @@ def test_compiled_step_matches_eager(tiny_stock, tiny_inputs, variant, monkeypat
         # Autotuning costs minutes on 2 busy cores: only the default gets the full serving options
         # (torchao-w8 with them matched eager to 6e-6 of 16 in a one-off run).
         monkeypatch.setitem(predictor.INDUCTOR_OPTIONS, "max_autotune", False)
-    eager = quant.build_variant(tiny_stock, variant)
-    compiled = quant.build_variant(tiny_stock, variant, compile="step", buckets=(1,))
+    eager = parity.build_variant(tiny_stock, variant)
+    compiled = parity.build_variant(tiny_stock, variant, compile="step", buckets=(1,))
     args = (tiny_inputs.layer0_code[:1], tiny_inputs.layer0_embed[:1], tiny_inputs.last_talker_hidden[:1])
     ce, le = eager.forward_cached(*args, do_sample=False, return_logits=True)
     cc, lc = compiled.forward_cached(*args, do_sample=False, return_logits=True)
-    assert compiled._compiled is not None
+    assert compiled.compiler.steps is not None
     torch.testing.assert_close(lc, le, rtol=0, atol=1e-2 * float(le.abs().max()))
     assert torch.equal(cc, ce)
 
 
 def test_quantizing_drops_a_compiled_step_that_froze_float_weights(tiny_stock):
-    cached = quant.build_variant(tiny_stock, "fp32")
-    cached._compiled = object()  # stands in for a compiled step built around the float weights
+    cached = parity.build_variant(tiny_stock, "fp32")
+    cached.compiler.steps = {1: object()}  # stands in for a compiled step built around the float weights
     quant.quantize_predictor(cached, "w8-channel", compile="off")
-    assert cached._compiled is None
+    assert cached.compiler.steps is None
 
 
 def test_prepare_served_predictor_from_flags(tiny_stock, tiny_inputs, monkeypatch):
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_INT8", "w8-channel")
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_COMPILE", "off")
     monkeypatch.setenv("VLLM_OMNI_PREDICTOR_PARITY_CHECK", "1")
-    pred, checker, int8 = quant.prepare_served_predictor(quant.build_variant(tiny_stock, "fp32"))
+    pred, checker, int8 = quant.prepare_served_predictor(parity.build_variant(tiny_stock, "fp32"))
     assert isinstance(pred.model.layers[0].mlp.down_proj, quant.Int8Linear)
     assert isinstance(checker.reference.model.layers[0].mlp.down_proj, nn.Linear)
     assert int8 == "w8-channel"

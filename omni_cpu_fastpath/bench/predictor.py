@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # "stock-compiled": vllm-omni's own torch.compile path, as it runs on GPU platforms (the strongest

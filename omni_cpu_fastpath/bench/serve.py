@@ -9,7 +9,7 @@ same amount of audio. RTF = wall time / audio seconds (below 1 is faster than re
 
 ``--json`` prints a list of ``{"impl", "rtf", "ttfa_ms", "audio_s", ...}``; the text output adds
 the fast/stock ratios. ``--dims 0.6b`` writes a random checkpoint at the released 0.6B
-dimensions (about 2 GB on disk, minutes of start-up per server); CI runs ``tiny`` only.
+dimensions (gigabytes on disk, minutes of start-up per server); CI runs ``tiny`` only.
 """
 
 from __future__ import annotations

@@ -27,16 +27,17 @@ step_stats (``model.forward_ms``, ``model.sample_ms``, ``model.talker_mtp_ms``).
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
-from vllm.logger import init_logger
 from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker import Qwen3TTSTalkerForConditionalGeneration
 
 from omni_cpu_fastpath import envs, step_stats
+from omni_cpu_fastpath.errors import describe
 
-logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log config shows it
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 
 def _load_module(module: str) -> tuple[Any, str | None]:
@@ -44,7 +45,7 @@ def _load_module(module: str) -> tuple[Any, str | None]:
     try:
         return importlib.import_module(module), None
     except Exception as exc:  # a broken install, or a bug at import time
-        return None, f"{module} unavailable ({type(exc).__name__}: {exc})"
+        return None, f"{module} unavailable ({describe(exc)})"
 
 
 def _load(module: str, name: str) -> tuple[Any, str | None]:
@@ -60,7 +61,7 @@ def _load(module: str, name: str) -> tuple[Any, str | None]:
 
 class ServedPredictorBuild(NamedTuple):
     predictor: nn.Module
-    checker: Any  # quant.ParityChecker with VLLM_OMNI_PREDICTOR_PARITY_CHECK=1, else None
+    checker: Any  # parity.ParityChecker with VLLM_OMNI_PREDICTOR_PARITY_CHECK=1, else None
     served: dict[str, str]  # component -> what serves it, fallback reasons included
 
 
@@ -85,7 +86,7 @@ def build_served_predictor(stock: nn.Module, max_batch: int, on_cpu: bool = True
                     stock, buckets=module.buckets_for(max_batch), warmup=False
                 )
             except Exception as exc:
-                why = f"CachedCodePredictor.from_stock failed ({type(exc).__name__}: {exc})"
+                why = f"CachedCodePredictor.from_stock failed ({describe(exc)})"
                 logger.exception("omni-cpu-fastpath: %s", why)
         if cached is not None:
             predictor = cached
@@ -95,7 +96,7 @@ def build_served_predictor(stock: nn.Module, max_batch: int, on_cpu: bool = True
             served["predictor"] = f"stock ({why})"
     checker = None
     if on_cpu:
-        from . import quant
+        from omni_cpu_fastpath.qwen3_tts import quant
 
         # A refused flag combination raises here, at load; a missing kernel keeps float weights.
         predictor, checker, served["predictor.int8"] = quant.prepare_served_predictor(predictor)
@@ -129,7 +130,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         # The largest batch the runner can hand the predictor: its compiled buckets stop there.
         self._max_batch = int(vllm_config.scheduler_config.max_num_seqs)
         self._predictor_built = False
-        self._parity: Any = None  # quant.ParityChecker when VLLM_OMNI_PREDICTOR_PARITY_CHECK is on
+        self._parity: Any = None  # parity.ParityChecker when VLLM_OMNI_PREDICTOR_PARITY_CHECK is on
         # component -> what serves it ("cached", "CpuSampler (C kernel)", "stock (why)", ...)
         self.served: dict[str, str] = {}
         self._model_sampler: nn.Module | None = None
@@ -159,7 +160,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
                     use_fp64_gumbel=getattr(model_config, "use_fp64_gumbel", False),
                 )
             except Exception as exc:
-                why = f"CpuSampler could not be built ({type(exc).__name__}: {exc})"
+                why = f"CpuSampler could not be built ({describe(exc)})"
         if sampler is not None:
             # CpuSampler times its whole call as model.sample_ms itself.
             self._sampler_times_itself = True

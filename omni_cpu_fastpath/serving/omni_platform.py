@@ -11,6 +11,7 @@ global state itself.
 
 from __future__ import annotations
 
+import logging
 import sys
 
 if "vllm_omni" not in sys.modules:
@@ -23,12 +24,11 @@ if "vllm_omni" not in sys.modules:
     )
 
 import torch  # noqa: E402
-from vllm.logger import init_logger  # noqa: E402
 from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum  # noqa: E402
 
 from .vllm_platform import CpuVllmPlatform  # noqa: E402
 
-logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log config shows it
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 AR_WORKER = "omni_cpu_fastpath.serving.worker.CPUARWorker"
 GENERATION_WORKER = "omni_cpu_fastpath.serving.worker.CPUGenerationWorker"

@@ -20,11 +20,11 @@ deploy config that selects V1 on CPU.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
@@ -33,7 +33,7 @@ from vllm_omni.worker.mixins import OmniWorkerMixin
 
 from omni_cpu_fastpath import envs, step_stats
 
-logger = init_logger(f"vllm.{__name__}")  # under "vllm" so vLLM's log config shows it
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 
 class CpuOmniRunnerError(RuntimeError):

@@ -147,7 +147,7 @@ def run_reference(
     ``[0, 2048)``; ``teacher_codes``: optional ``[B, 15]`` residual codes to teacher-force
     (default: the reference's own greedy codes). Returns a dict with ``codes`` ``[B, 16]``,
     ``greedy_logits`` and ``teacher_logits`` ``[B, 15, V]`` (float32), ``teacher_codes`` and
-    ``versions``. Each call starts the reference venv (~5-20 s); batch jobs with
+    ``versions``. Each call starts the reference venv (seconds); batch jobs with
     :func:`run_reference_many`.
     """
     job = {"model_dir": model_dir, "talker_hidden": talker_hidden, "layer0_codes": layer0_codes}

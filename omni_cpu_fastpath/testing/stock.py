@@ -7,7 +7,7 @@
 
 Why a subclass (:class:`EagerStockCodePredictor`): the stock ``_setup_compile`` asks
 ``current_omni_platform.supports_torch_inductor()``; without an omni platform on CPU that raises
-NotImplementedError, and with one that allows Inductor it would compile (20-70 s) inside a test.
+NotImplementedError, and with one that allows Inductor it would compile inside a test.
 The subclass overrides ONLY ``_setup_compile`` with the stock eager branch (the code vllm-omni runs
 when the platform has no Inductor: cache dtype, heads and embeddings, ``model.forward`` uncompiled).
 ``forward``, ``load_weights``, the layers and the sampling are the stock ones, untouched; nothing in

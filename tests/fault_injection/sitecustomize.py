@@ -37,19 +37,20 @@ def _patch_predictor(module) -> None:
 
         cls.from_stock = classmethod(lambda c, *a, **k: from_stock(*a, **k))
     if "compile-at-run-time" in FAULTS:
-        fresh = cls._fresh_compiled
+        compiler = module.StepCompiler
+        fresh = compiler._fresh_compiled
 
         def _fresh_compiled(self, options):
             step = fresh(self, options)
 
             def call(*args):
-                if not self._warming:
+                if not self.warming:
                     raise InjectedFault("injected: the compiled step failed at a request")
                 return step(*args)
 
             return call
 
-        cls._fresh_compiled = _fresh_compiled
+        compiler._fresh_compiled = _fresh_compiled
 
 
 class _Finder(importlib.abc.MetaPathFinder):

@@ -1,0 +1,27 @@
+"""The KV-cached code predictor: ``model.py`` (the static step and the loop), ``layers.py`` (its
+building blocks), ``compiler.py`` (the per-bucket compile policy), ``stock_interface.py`` (the
+calls vllm-omni's talker makes on a predictor)."""
+
+from .compiler import (
+    DEFAULT_BUCKETS,
+    INDUCTOR_OPTIONS,
+    StepCompiler,
+    bucket_compile_options,
+    buckets_for,
+)
+from .layers import StackedEmbeddings, StackedHeads, rms_norm, sample_codes, stacked_linear
+from .model import CachedCodePredictor
+
+__all__ = [
+    "CachedCodePredictor",
+    "StackedEmbeddings",
+    "StackedHeads",
+    "StepCompiler",
+    "DEFAULT_BUCKETS",
+    "buckets_for",
+    "INDUCTOR_OPTIONS",
+    "bucket_compile_options",
+    "stacked_linear",
+    "rms_norm",
+    "sample_codes",
+]

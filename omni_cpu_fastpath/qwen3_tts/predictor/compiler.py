@@ -1,0 +1,277 @@
+"""Compile policy of the predictor's static sub-step, kept apart from the model.
+
+One compiled step per batch bucket, each built and warmed once at load; a batch is padded up to
+the next bucket and one above the largest runs eager. Here: which buckets a runner can reach, the
+Inductor options each bucket tries in order, the global state every compiled call runs under, a
+fresh code object per compile (so one predictor's frozen weights never serve another), the
+thread cap, and what happens when a bucket fails (at load: next options, then eager; at a
+request: that bucket is dropped and the status says why).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import types
+from collections.abc import Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn as nn
+
+from omni_cpu_fastpath import step_stats
+from omni_cpu_fastpath.errors import describe
+
+if TYPE_CHECKING:
+    from .model import CachedCodePredictor
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
+
+# Batch sizes compiled at load with VLLM_OMNI_PREDICTOR_COMPILE=step; a batch is padded up to the
+# next bucket, and one above the largest runs eager. A server compiles buckets_for(max_num_seqs).
+DEFAULT_BUCKETS: tuple[int, ...] = (1, 2, 4, 8)
+
+
+def buckets_for(max_batch: int) -> tuple[int, ...]:
+    """The buckets a runner of at most ``max_batch`` rows can reach: powers of two below it, and it."""
+    if max_batch < 1:
+        raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+    return tuple(sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}))
+
+
+@contextlib.contextmanager
+def compiled_call_state() -> Iterator[None]:
+    """The global state every compiled call runs under, at warm-up and when serving.
+
+    Dynamo guards on global state such as the default dtype, and vLLM loads weights (when the
+    served predictor compiles) under ``set_default_torch_dtype(model dtype)``: without this, a
+    bf16 model compiled at load would miss its guards at the first request and recompile there,
+    outside the warm-up's Inductor settings.
+    """
+    prev = torch.get_default_dtype()
+    if prev is not torch.float32:
+        torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        if prev is not torch.float32:
+            torch.set_default_dtype(prev)
+
+
+# Inductor settings that make batch-1 GEMV read weights near the bandwidth floor on CPU: freezing
+# folds the weights into the graph so the CPP GEMM templates can pre-pack them.
+INDUCTOR_OPTIONS: dict[str, Any] = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "epilogue_fusion": False,  # as the stock predictor: keeps RMSNorm/RoPE fp32 math unfused
+}
+
+
+def bucket_compile_options(options: dict[str, Any], bucket: int) -> list[dict[str, Any]]:
+    """The Inductor options to try, in order, for one batch bucket.
+
+    Batch 1 is matrix-vector work: there the CPP template alone reads near the bandwidth floor,
+    and autotuning against ATen only adds noise (it times in-cache weights on a shared box and the
+    on-disk cache keeps a bad pick), so it goes first with ATen as the fallback. From 2 rows up
+    ATen's kernels can win (``_weight_int8pack_mm`` on int8 weights), so those buckets autotune as
+    ``options`` say.
+    """
+    if bucket == 1 and options.get("max_autotune_gemm_backends") == "CPP,ATEN":
+        return [{**options, "max_autotune_gemm_backends": "CPP"}, dict(options)]
+    return [dict(options)]
+
+
+class StepCompiler:
+    """The compiled sub-steps of one :class:`CachedCodePredictor`, per batch bucket.
+
+    ``steps`` maps a bucket to its compiled step (None: nothing compiled); ``status`` says what
+    runs the step and why, and is what the talker reports as served.
+    """
+
+    def __init__(
+        self,
+        predictor: CachedCodePredictor,
+        *,
+        mode: str,
+        threads: int,
+        buckets: Sequence[int],
+        options: dict[str, Any],
+    ) -> None:
+        if mode not in ("off", "step"):
+            raise ValueError(f"compile must be 'off' or 'step', got {mode!r}")
+        if threads < 0:
+            raise ValueError(f"threads must be >= 0 (0: no cap), got {threads}")
+        if not buckets or any(int(b) < 1 for b in buckets):
+            raise ValueError(f"buckets must be positive batch sizes, got {tuple(buckets)}")
+        self.predictor = predictor
+        self.mode = mode
+        self.threads = int(threads)
+        self.buckets = tuple(sorted({int(b) for b in buckets}))
+        self.options = dict(options)
+        self.steps: dict[int, Any] | None = None
+        self.warming = False  # inside warmup(): failures propagate, compiling is allowed
+        self.seconds: float | None = None
+        self.counts: dict[int, int] = {}  # how many times each bucket was compiled
+        self.failed: dict[int, str] = {}  # bucket -> why its compiled step was dropped
+        self.status = "off" if mode == "off" else "step (not compiled yet)"
+        self._generation = 0
+
+    def thread_cap(self) -> ThreadCap:
+        return ThreadCap(self.threads)
+
+    def bucket_for(self, rows: int) -> int:
+        """The compiled bucket that serves ``rows`` rows, or 0 (eager)."""
+        return next((b for b in sorted(self.steps or ()) if b >= rows), 0)
+
+    @contextlib.contextmanager
+    def calling(self) -> Iterator[None]:
+        """The state a compiled call runs under; past warm-up, a call that would compile fails."""
+        stance = "default" if self.warming else "fail_on_recompile"
+        with compiled_call_state(), torch.compiler.set_stance(stance):
+            yield
+
+    def invalidate(self, recompile: bool) -> None:
+        """The weights changed: compiled steps froze the old ones, so drop them (and rebuild)."""
+        if self.steps is not None:
+            self.steps = None
+            if recompile and self.mode == "step":
+                self.warmup()
+
+    def warmup(self) -> bool:
+        """Compile the step for every bucket (prefill and sub-step shapes); False if it fell back.
+
+        Each bucket gets its own compiled step and options (:func:`bucket_compile_options`); a
+        bucket whose first options fail is retried with the next before the whole step falls back
+        to eager. After this, a call that would compile again fails instead (and that bucket runs
+        eager, with the reason in ``status``): every shape is compiled here, never first at a
+        request.
+        """
+        t0 = time.perf_counter()
+        compiled: dict[int, Any] = {}
+        for b in self.buckets:
+            attempts = bucket_compile_options(self.options, b)
+            for i, options in enumerate(attempts):
+                try:
+                    compiled[b] = self._compile_bucket(b, options)
+                    break
+                except Exception as exc:  # noqa: BLE001 - any compiler failure: retry or run eager
+                    if i + 1 < len(attempts):  # (_compile_bucket has already dropped its step)
+                        logger.warning(
+                            "code predictor: compiling bucket %d with GEMM backends %s failed (%r); "
+                            "retrying with %s",
+                            b,
+                            options.get("max_autotune_gemm_backends"),
+                            exc,
+                            attempts[i + 1].get("max_autotune_gemm_backends"),
+                        )
+                        continue
+                    logger.warning("code predictor: torch.compile of the step failed, running eager: %r", exc)
+                    self.mode = "off"
+                    self._set_status(f"eager (torch.compile failed at load: {describe(exc)})")
+                    return False
+        self.steps = compiled
+        self.seconds = time.perf_counter() - t0
+        self._set_status(
+            f"step (buckets {_csv_ints(self.buckets)}, compiled at load in {self.seconds:.1f} s)"
+        )
+        logger.info(
+            "code predictor: compiled the static step for batch buckets %s in %.1f s",
+            self.buckets,
+            self.seconds,
+        )
+        return True
+
+    def drop(self, bucket: int, exc: Exception) -> None:
+        """A compiled bucket failed at run time: batches pad to the next compiled bucket from now
+        on (eager above the last one, or when none is left), and the status says why."""
+        assert self.steps is not None
+        del self.steps[bucket]
+        why = f"the compiled step failed at run time: {describe(exc)}"
+        self.failed.setdefault(bucket, why)
+        logger.warning("code predictor: bucket %d dropped: %s", bucket, why)
+        dropped = _csv_ints(sorted(self.failed))
+        first = next(iter(self.failed.values()))
+        left = sorted(self.steps)
+        if left:
+            self._set_status(f"step (buckets {_csv_ints(left)}; dropped {dropped}: {first})")
+        else:
+            self.steps = None
+            self.mode = "off"
+            self._set_status(f"eager (dropped buckets {dropped}: {first})")
+
+    def _set_status(self, status: str) -> None:
+        self.status = status
+        step_stats.served("predictor.compile", status)
+
+    def _fresh_compiled(self, options: dict[str, Any]) -> Any:
+        # Compile an nn.Module (not a bound method): only then are the weights module parameters
+        # that Inductor's freezing folds into constants, which its CPP GEMM templates need.
+        # Dynamo caches graphs on the forward's code object; a distinct code object per instance and
+        # refresh gives each its own cache, so frozen (stale) weights of another instance never match.
+        self._generation += 1
+        name = f"_CompiledStep_{id(self):x}_{self._generation}"
+        base = StepModule.forward
+        forward = types.FunctionType(base.__code__.replace(co_name=name), base.__globals__, name)
+        module = type(name, (StepModule,), {"forward": forward})(self.predictor)
+        compiled = torch.compile(module, fullgraph=True, dynamic=False, options=dict(options))
+        # A bound method, not the module: assigning a module would register it as our child.
+        return compiled.__call__
+
+    def _compile_bucket(self, bucket: int, options: dict[str, Any]) -> Any:
+        """A step compiled with ``options`` and warmed on ``bucket`` rows (prefill and sub-step)."""
+        import torch._inductor.config  # noqa: F401 - torch.compile imports it lazily
+
+        step = self._fresh_compiled(options)
+        self.counts[bucket] = self.counts.get(bucket, 0) + 1
+        self.steps = {bucket: step}  # forward_cached pads to this bucket and calls it
+        self.warming = True
+        # Inductor reads ``freezing`` outside the per-compile ``options`` scope, so it is set here,
+        # around the calls that compile (all of them happen in this warm-up).
+        try:
+            with (
+                torch._inductor.config.patch(freezing=bool(options.get("freezing", False))),
+                self.thread_cap(),
+            ):
+                self.predictor.warm(bucket)
+        finally:
+            self.warming = False
+            self.steps = None
+        return step
+
+
+def _csv_ints(values: Iterable[int]) -> str:
+    return ",".join(str(v) for v in values)
+
+
+class StepModule(nn.Module):
+    """The unit handed to torch.compile: one sub-step of ``pred`` (see ``_fresh_compiled``)."""
+
+    def __init__(self, pred: CachedCodePredictor) -> None:
+        super().__init__()
+        self.pred = pred
+
+    def forward(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.pred.substep(*args)
+
+
+class ThreadCap:
+    """Caps torch's intra-op threads for the duration of a predictor call, then restores them."""
+
+    __slots__ = ("n", "prev")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.prev = 0
+
+    def __enter__(self) -> ThreadCap:
+        if self.n:
+            self.prev = torch.get_num_threads()
+            if self.n != self.prev:
+                torch.set_num_threads(self.n)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.n and self.prev and self.prev != torch.get_num_threads():
+            torch.set_num_threads(self.prev)
