@@ -10,8 +10,8 @@ from setuptools import Extension, setup
 setup(
     ext_modules=[
         Extension(
-            "omni_cpu_fastpath.qwen3_tts._sampler_kernel",
-            sources=["omni_cpu_fastpath/qwen3_tts/_sampler_kernel.c"],
+            "omni_cpu_fastpath.qwen3_tts.sampler._kernel",
+            sources=["omni_cpu_fastpath/qwen3_tts/sampler/_kernel.c"],
             extra_compile_args=["-O3", "-ffp-contract=off", "-fno-fast-math"],
             optional=True,
         )

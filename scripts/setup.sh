@@ -13,7 +13,7 @@ stamp_main=".venv/.omni-setup-$key"
 stamp_ref=".venv-ref/.omni-setup-$key"
 # CpuSampler's C kernel (setup.py): the editable install builds it into the source tree, so a
 # changed source needs a rebuild (seconds), not a new venv.
-kernel_key=$(cat setup.py omni_cpu_fastpath/qwen3_tts/_sampler_kernel.c | sha256sum | cut -c1-16)
+kernel_key=$(cat setup.py omni_cpu_fastpath/qwen3_tts/sampler/_kernel.c | sha256sum | cut -c1-16)
 stamp_kernel=".venv/.omni-kernel-$kernel_key"
 
 if [[ -f $stamp_main && -f $stamp_ref && -f $stamp_kernel ]]; then
@@ -79,7 +79,7 @@ if [[ ! -f $stamp_kernel ]]; then
   echo "setup: CpuSampler's C kernel"
   rm -f .venv/.omni-kernel-*
   pip_main --no-deps --no-build-isolation -e .
-  if .venv/bin/python -c "from omni_cpu_fastpath.qwen3_tts import _sampler_kernel"; then
+  if .venv/bin/python -c "from omni_cpu_fastpath.qwen3_tts.sampler import _kernel"; then
     touch "$stamp_kernel"
   else
     # Optional in the package (CpuSampler then takes its numpy path); tests/test_sampler.py fails.

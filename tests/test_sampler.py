@@ -495,10 +495,10 @@ def test_kernel_flag(monkeypatch) -> None:
 
 
 def test_missing_kernel_falls_back_to_numpy_and_says_why(monkeypatch, vllm_caplog) -> None:
-    import omni_cpu_fastpath.qwen3_tts.sampler as sampler_module
+    import omni_cpu_fastpath.qwen3_tts.sampler.kernel as kernel_module
 
-    monkeypatch.setattr(sampler_module, "_sampler_kernel", None)
-    monkeypatch.setattr(sampler_module, "KERNEL_MISSING", "the C kernel is not built (ImportError: gone)")
+    monkeypatch.setattr(kernel_module, "extension", None)
+    monkeypatch.setattr(kernel_module, "KERNEL_MISSING", "the C kernel is not built (ImportError: gone)")
     with vllm_caplog.at_level("WARNING", logger="vllm.omni_cpu_fastpath.qwen3_tts.sampler"):
         fast = CpuSampler()
     assert fast.kernel is None and "ImportError: gone" in fast.kernel_status
@@ -674,10 +674,10 @@ def test_kernel_seeded_draw_equals_vllm_noise(batch: int) -> None:
     # The kernel's argmax(probs / q) against noise.sampler_exponentials + vLLM's
     # sample_with_exponential_noise: tokens, every generator's state and the next draws, with
     # generators at arbitrary offsets (the mt19937 refill at any point) and mostly-zero probs.
-    import omni_cpu_fastpath.qwen3_tts.sampler as sampler_module
+    import omni_cpu_fastpath.qwen3_tts.sampler.kernel as kernel_module
 
     kernel = CpuSampler(kernel=True).kernel
-    assert sampler_module._race_matches_torch(kernel), "the served seeded draw would fall back to torch"
+    assert kernel_module.race_matches_torch(kernel), "the served seeded draw would fall back to torch"
     rng = random.Random(batch)
     for seeded_rows in ([0], list(range(batch)), list(range(0, batch, 2)), [batch - 1]):
         probs = torch.rand(batch, VOCAB, generator=torch.Generator().manual_seed(rng.randrange(999))) ** 8
@@ -697,7 +697,7 @@ def test_kernel_seeded_draw_equals_vllm_noise(batch: int) -> None:
                 tokens = sample_with_exponential_noise(probs.clone(), q).view(-1, 1).to(torch.int32)
             else:
                 open_rows = torch.full((batch, 1), -1, dtype=torch.int32)
-                tokens = sampler_module._exponential_race(kernel, probs, gens, open_rows)
+                tokens = kernel_module.exponential_race(kernel, probs, gens, open_rows)
             nxt = [torch.empty(5).exponential_()] + [
                 torch.empty(5).exponential_(generator=g) for g in gens.values()
             ]

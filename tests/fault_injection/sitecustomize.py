@@ -4,7 +4,7 @@
 engine, stage workers) imports this file at start-up, and the faults act when the named module
 is first imported, in whichever process imports it:
 
-- ``kernel-missing``: ``omni_cpu_fastpath.qwen3_tts._sampler_kernel`` cannot be imported (as where no C
+- ``kernel-missing``: ``omni_cpu_fastpath.qwen3_tts.sampler._kernel`` cannot be imported (as where no C
   compiler built it);
 - ``predictor-construction``: ``CachedCodePredictor.from_stock`` raises;
 - ``compile-at-run-time``: a compiled predictor step works at warm-up and raises at its first
@@ -55,7 +55,7 @@ def _patch_predictor(module) -> None:
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name == "omni_cpu_fastpath.qwen3_tts._sampler_kernel" and "kernel-missing" in FAULTS:
+        if name == "omni_cpu_fastpath.qwen3_tts.sampler._kernel" and "kernel-missing" in FAULTS:
             raise ImportError("injected: the C kernel is not built")
         if name == "omni_cpu_fastpath.qwen3_tts.predictor" and FAULTS & {
             "predictor-construction",

@@ -1,9 +1,9 @@
 /* CpuSampler's native kernel: the talker's sampling step in one pass per row (sample_rows), and
  * vLLM's seeded exponential-noise draw from torch generator states (exponential_race, below).
  *
- * At batch 1 a [1, 3072] sampling step is microseconds of arithmetic and ~20 library calls of
+ * At batch 1 a [1, 3072] sampling step is little arithmetic and many library calls of
  * Python/ATen/numpy dispatch; this kernel does the arithmetic in one call, with vLLM 0.30's
- * Sampler semantics (omni_cpu_fastpath/sampler.py states them and calls this):
+ * Sampler semantics (omni_cpu_fastpath/qwen3_tts/sampler/ states them; its kernel.py calls this):
  *
  *   1. penalties, in place: repetition once on each token seen in the prompt or the output
  *      (logit * (1 / p) when the logit is > 0, else logit * p), then, when a row has them,
@@ -284,8 +284,9 @@ static PyObject *sample_rows(PyObject *self, PyObject *const *args, Py_ssize_t n
  * u = (word & (2^53 - 1)) * 2^-53 and returns (float)(-log(1 - u)). Here the same words are taken
  * from a copy of the generator's state (Generator.get_state(): a THGeneratorState), so the state
  * written back is the one exponential_ leaves; the log is only computed where probs > 0, since
- * elsewhere probs / q is 0 (or NaN when q is -0.0, u = 0). omni_cpu_fastpath.qwen3_tts.sampler checks the
- * whole once per process against torch and falls back to torch's own draw if they ever differ. */
+ * elsewhere probs / q is 0 (or NaN when q is -0.0, u = 0). omni_cpu_fastpath.qwen3_tts.sampler.kernel
+ * checks the whole once per process against torch and falls back to torch's own draw if they ever
+ * differ. */
 
 #define MT_N 624
 #define MT_M 397
@@ -477,8 +478,8 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_sampler_kernel", "CpuSampler's native kernel for the talker's step.", -1, methods,
+    PyModuleDef_HEAD_INIT, "_kernel", "CpuSampler's native kernel for the talker's step.", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__sampler_kernel(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__kernel(void) { return PyModule_Create(&module); }
