@@ -66,7 +66,7 @@ SCRIPT = textwrap.dedent(
     import omni_cpu_fastpath
     from omni_cpu_fastpath import cli, envs, step_stats
     from omni_cpu_fastpath.qwen3_tts import noise, talker
-    from omni_cpu_fastpath.serving import commands, plugins
+    from omni_cpu_fastpath.serving import commands, deploy_config, plugins, stage_settings
     from omni_cpu_fastpath.serving import omni_platform, vllm_platform, worker
 
     assert plugins.cpu_omni_platform() == plugins.PLATFORM_QUALNAME
@@ -87,7 +87,7 @@ SCRIPT = textwrap.dedent(
     assert p.get_omni_ar_worker_cls() and q.is_cpu()
     for qual in (p.get_omni_ar_worker_cls(), p.get_omni_generation_worker_cls()):
         resolve_obj_by_qualname(qual)
-    plugins.cpu_deploy_config_path()
+    deploy_config.cpu_deploy_config_path()
 
     mods1, classes1 = snapshot()
     changed = diff(mods0, mods1) + diff(classes0, classes1)

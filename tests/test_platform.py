@@ -16,7 +16,7 @@ import vllm_omni  # noqa: F401  # before omni_cpu_fastpath.serving.omni_platform
 
 from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.serving import commands as serving
-from omni_cpu_fastpath.serving import plugins
+from omni_cpu_fastpath.serving import deploy_config, plugins, stage_settings
 
 
 @pytest.fixture
@@ -109,11 +109,8 @@ def test_platform_hook_fixes_up_an_omni_stage_config(tiny_model_dir, monkeypatch
     from vllm.config import CompilationMode
     from vllm_omni.engine.arg_utils import OmniEngineArgs
 
-    from omni_cpu_fastpath.serving.vllm_platform import (
-        DEFAULT_OMNI_KV_BYTES,
-        adjust_omni_stage_config,
-        is_omni_stage,
-    )
+    from omni_cpu_fastpath.serving.stage_settings import DEFAULT_OMNI_KV_BYTES
+    from omni_cpu_fastpath.serving.vllm_platform import adjust_omni_stage_config, is_omni_stage
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     args = OmniEngineArgs(
@@ -142,19 +139,60 @@ def test_platform_hook_fixes_up_an_omni_stage_config(tiny_model_dir, monkeypatch
     assert any("V1" in c for c in changes)
 
 
+def test_platform_hook_and_deploy_config_give_each_stage_the_same_settings(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Both roads to a served stage, each computed by vllm-omni and vLLM themselves.
+
+    ``omni-cpu-fastpath serve``: the CPU deploy config merged with vllm-omni's Qwen3-TTS pipeline
+    into each stage's engine arguments. Plain ``vllm serve MODEL --omni``: that stage's config
+    built from engine arguments that set none of it, adjusted by the platform hook.
+    """
+    from vllm_omni.config.stage_config import load_deploy_config, merge_pipeline_deploy
+    from vllm_omni.engine.arg_utils import OmniEngineArgs
+    from vllm_omni.model_executor.models.qwen3_tts.pipeline import QWEN3_TTS_PIPELINE
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    stages = merge_pipeline_deploy(
+        QWEN3_TTS_PIPELINE, load_deploy_config(deploy_config.cpu_deploy_config_path())
+    )
+    assert [s.model_stage for s in stages] == [s.model_stage for s in QWEN3_TTS_PIPELINE.stages]
+    budgets = set()
+    for stage in stages:
+        written = stage.yaml_engine_args
+        config = OmniEngineArgs(
+            model=str(tiny_model_dir),
+            stage_id=stage.stage_id,
+            model_stage=stage.model_stage,
+            model_arch=written["model_arch"],
+            worker_type=stage.worker_type,
+            use_v2_model_runner=True,
+            trust_remote_code=True,
+            max_model_len=512,
+        ).create_engine_config()
+        hooked = config.cache_config.kv_cache_memory_bytes
+        assert hooked == written["kv_cache_memory_bytes"], stage.model_stage
+        assert config.model_config.use_v2_model_runner is written["use_v2_model_runner"] is False
+        assert config.model_config.enforce_eager is written["enforce_eager"] is True
+        budgets.add(hooked)
+    # The stages' budgets differ, so the check above tells one stage's row from another's.
+    assert len(budgets) == len(stages)
+
+
 # --- the CPU deploy config --------------------------------------------------------------------
 
 
 def test_cpu_stage_envs_split_the_cores(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    talker, code2wav = plugins.cpu_stage_envs([0, 1])
+    talker, code2wav = stage_settings.cpu_stage_envs([0, 1])
     assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
     assert code2wav == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-    talker, code2wav = plugins.cpu_stage_envs(list(range(8)))
+    talker, code2wav = stage_settings.cpu_stage_envs(list(range(8)))
     assert talker["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3,4,5,6"
     assert code2wav == {"VLLM_CPU_OMP_THREADS_BIND": "7"}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|")
-    assert plugins.cpu_stage_envs([0, 1]) == ({}, {})
+    assert stage_settings.cpu_stage_envs([0, 1]) == ({}, {})
 
 
 def test_cpu_deploy_config_loads_with_vllm_omnis_loader(tmp_path, monkeypatch):
@@ -163,9 +201,9 @@ def test_cpu_deploy_config_loads_with_vllm_omnis_loader(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    path = plugins.cpu_deploy_config_path()
+    path = deploy_config.cpu_deploy_config_path()
     assert path.parent == tmp_path / "omni-cpu-fastpath"
-    assert plugins.cpu_deploy_config_path() == path  # same content, same file
+    assert deploy_config.cpu_deploy_config_path() == path  # same content, same file
     deploy = load_deploy_config(path)
     assert deploy.model_runner == "v1"
     assert deploy.async_chunk is True  # inherited from the stock qwen3_tts.yaml
@@ -187,7 +225,7 @@ def test_serve_command_fills_cpu_defaults(tiny_model_dir, tmp_path, monkeypatch)
     cmd = serving.serve_command(str(tiny_model_dir), ["--port", "9000"])
     assert cmd[1:4] == ["serve", str(tiny_model_dir), "--omni"]
     assert cmd[cmd.index("--host") + 1] == "127.0.0.1"
-    assert cmd[cmd.index("--deploy-config") + 1] == str(plugins.cpu_deploy_config_path())
+    assert cmd[cmd.index("--deploy-config") + 1] == str(deploy_config.cpu_deploy_config_path())
     # The user's own choices win and are not duplicated.
     cmd = serving.serve_command(str(tiny_model_dir), ["--host=0.0.0.0", "--deploy-config", "mine.yaml"])
     assert cmd.count("--host=0.0.0.0") == 1 and "--host" not in cmd

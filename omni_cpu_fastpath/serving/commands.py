@@ -83,7 +83,7 @@ def serve_command(model: str, vllm_args: Sequence[str] = ()) -> list[str]:
         args = args[1:]
     cmd = [_vllm_executable(), "serve", model, "--omni", *args]
     if is_qwen3_tts(model) and not _has_option(args, "--deploy-config"):
-        from .plugins import cpu_deploy_config_path
+        from .deploy_config import cpu_deploy_config_path
 
         cmd += ["--deploy-config", str(cpu_deploy_config_path())]
     if not _has_option(args, "--host"):

@@ -4,7 +4,9 @@ Returned by ``omni_cpu_fastpath.serving.plugins.cpu_vllm_platform`` (entry-point
 ``vllm.platform_plugins``) only where vLLM would pick its own CPU platform anyway. vLLM calls
 ``check_and_update_config`` on every ``VllmConfig`` it builds, in every process, which is the one
 place an out-of-tree package sees each stage's config before its scheduler and workers are made.
-For configs that are not vllm-omni stages it is exactly vLLM's ``CpuPlatform``.
+For configs that are not vllm-omni stages it is exactly vLLM's ``CpuPlatform``. The KV budget it
+gives a stage comes from the table of ``omni_cpu_fastpath.serving.stage_settings``, which the CPU
+deploy config of ``omni-cpu-fastpath serve`` reads too.
 
 This module must not import vllm_omni: vLLM resolves its platform while vllm_omni itself may be
 half imported.
@@ -13,17 +15,13 @@ half imported.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from vllm.platforms.cpu import CpuPlatform
 
-logger = logging.getLogger("vllm.omni_cpu_fastpath.serving.vllm_platform")
+from .stage_settings import kv_space_from_env, omni_kv_bytes
 
-# KV cache of an omni stage when neither --kv-cache-memory-bytes nor VLLM_CPU_KVCACHE_SPACE says:
-# vLLM's CPU default reserves gpu_memory_utilization (0.3 in vllm-omni's stage configs) of host RAM
-# per stage. 1 GiB holds 4096 frames of the 0.6B talker.
-DEFAULT_OMNI_KV_BYTES = 1 << 30
+logger = logging.getLogger(f"vllm.{__name__}")
 
 
 def is_omni_stage(model_config: Any) -> bool:
@@ -54,9 +52,11 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
         compilation_config.mode = CompilationMode.NONE
         changes.append("eager")
     cache_config = vllm_config.cache_config
-    if cache_config.kv_cache_memory_bytes is None and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-        cache_config.kv_cache_memory_bytes = DEFAULT_OMNI_KV_BYTES
-        changes.append(f"KV cache {DEFAULT_OMNI_KV_BYTES >> 20} MiB")
+    if cache_config.kv_cache_memory_bytes is None and not kv_space_from_env():
+        # The same budget the CPU deploy config writes for this stage (one table for both).
+        kv_bytes = omni_kv_bytes(model_config)
+        cache_config.kv_cache_memory_bytes = kv_bytes
+        changes.append(f"KV cache {kv_bytes >> 20} MiB")
     return changes
 
 

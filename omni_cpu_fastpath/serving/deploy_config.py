@@ -1,0 +1,69 @@
+"""The CPU deploy config of Qwen3-TTS that ``omni-cpu-fastpath serve`` passes with ``--deploy-config``.
+
+It is an overlay on vllm-omni's own qwen3_tts.yaml (``base_config`` inheritance), written from the
+table of :mod:`omni_cpu_fastpath.serving.stage_settings`. vllm-omni's file is written for one GPU:
+Model Runner V2 (Triton kernels), CUDA graphs, 30 % of device memory per stage. On CPU: V1 runners,
+eager (no graphs; compiling the talker with inductor takes minutes on a few cores), a fixed KV
+budget rather than 30 % of host RAM, and the cores split between the two stage workers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+from .stage_settings import MODEL_RUNNER, QWEN3_TTS_STAGES, StageSettings, cpu_stage_envs, kv_space_from_env
+
+# Part of the written file: bump it when the YAML written for the same inputs changes.
+CPU_DEPLOY_VERSION = 1
+
+
+def cpu_deploy_overlay(base_config: str, cpus: list[int] | None = None) -> dict[str, Any]:
+    """The CPU overlay on vllm-omni's qwen3_tts.yaml at ``base_config``."""
+    main_env, spare_env = cpu_stage_envs(cpus)
+    stages = [_stage_overlay(s, spare_env if s.spare_core else main_env) for s in QWEN3_TTS_STAGES]
+    return {"base_config": base_config, "model_runner": MODEL_RUNNER, "stages": stages}
+
+
+def _stage_overlay(settings: StageSettings, env: dict[str, str]) -> dict[str, Any]:
+    stage: dict[str, Any] = {
+        "stage_id": settings.stage_id,
+        "enforce_eager": settings.enforce_eager,
+        "max_num_seqs": settings.max_num_seqs,
+    }
+    if settings.max_model_len is not None:
+        stage["max_model_len"] = settings.max_model_len
+    stage["async_scheduling"] = settings.async_scheduling
+    if settings.dtype is not None:
+        stage["dtype"] = settings.dtype
+    if not kv_space_from_env():
+        stage["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    if env:
+        stage["env"] = env
+    return stage
+
+
+def cpu_deploy_config_path() -> Path:
+    """Write (if changed) and return the CPU deploy config of Qwen3-TTS.
+
+    It lives in a cache folder, not in the package, because ``base_config`` must name the
+    installed vllm-omni's own qwen3_tts.yaml, whose path depends on the install.
+    """
+    import vllm_omni
+    import yaml
+
+    base = Path(vllm_omni.__file__).parent / "deploy" / "qwen3_tts.yaml"
+    text = (
+        f"# Written by omni-cpu-fastpath (version {CPU_DEPLOY_VERSION}); regenerated as needed.\n"
+        + yaml.safe_dump(cpu_deploy_overlay(str(base)), sort_keys=False)
+    )
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omni-cpu-fastpath"
+    path = cache / f"qwen3_tts_cpu-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    return path

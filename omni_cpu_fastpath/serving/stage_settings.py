@@ -1,0 +1,119 @@
+"""The CPU settings of each Qwen3-TTS stage, in one table that both roads to a served stage read.
+
+Two roads build a stage's config: ``omni-cpu-fastpath serve`` passes the deploy config of
+:mod:`omni_cpu_fastpath.serving.deploy_config`, and a plain ``vllm serve MODEL --omni`` gets the
+stock deploy config, adjusted by the platform hook of :mod:`omni_cpu_fastpath.serving.vllm_platform`.
+Both take their values from :data:`QWEN3_TTS_STAGES`, so a stage gets the same KV budget either way.
+
+vllm-omni's Qwen3-TTS pipeline names its stages ``qwen3_tts`` (stage 0, the talker) and
+``code2wav`` (stage 1); other vllm-omni models reuse such names (Qwen3-Omni has a ``code2wav``),
+so a stage is looked up by its model type as well.
+
+Importing this module imports neither vllm nor vllm_omni (the platform hook imports it while vLLM
+resolves its platform).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+QWEN3_TTS_MODEL_TYPE = "qwen3_tts"
+
+# vllm-omni's qwen3_tts.yaml asks for Model Runner V2, which needs Triton GPU kernels.
+MODEL_RUNNER = "v1"
+
+# KV cache of an omni stage when neither --kv-cache-memory-bytes nor VLLM_CPU_KVCACHE_SPACE says:
+# vLLM's CPU default reserves gpu_memory_utilization (0.3 in vllm-omni's stage configs) of host RAM
+# per stage. Also the talker's budget: 4096 frames x 28 layers x 8 kv heads x 128 x 2 (k, v) x 4 B
+# fit in it for the 0.6B talker.
+DEFAULT_OMNI_KV_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """What one Qwen3-TTS stage runs with on CPU.
+
+    The platform hook applies ``kv_cache_memory_bytes`` too, and makes every omni stage eager and
+    V1 (as ``enforce_eager`` and :data:`MODEL_RUNNER` say); the rest is deploy-config-only, for the
+    reason given at each field.
+    """
+
+    stage_id: int
+    model_stage: str
+    kv_cache_memory_bytes: int
+    # Deploy-config-only: vLLM validates these against each other while it builds the config, and
+    # the hook cannot tell a user's value from the stock one.
+    max_num_seqs: int
+    max_model_len: int | None = None
+    # Deploy-config-only: the model's dtype is resolved while the config is built.
+    dtype: str | None = None
+    enforce_eager: bool = True
+    # Deploy-config-only: vllm-omni picks the stage's scheduler class before the config exists.
+    async_scheduling: bool = False
+    # Deploy-config-only (worker environment, set when the stage process starts): True for the
+    # stage that gets the spare core of :func:`cpu_stage_envs`, False for the one that gets the rest.
+    spare_core: bool = False
+
+
+QWEN3_TTS_STAGES: tuple[StageSettings, ...] = (
+    # The talker decodes one frame after another: the latency-critical stage.
+    StageSettings(
+        stage_id=0,
+        model_stage="qwen3_tts",
+        kv_cache_memory_bytes=DEFAULT_OMNI_KV_BYTES,
+        max_num_seqs=8,
+        max_model_len=4096,
+    ),
+    # code2wav runs once per audio chunk.
+    StageSettings(
+        stage_id=1,
+        model_stage="code2wav",
+        kv_cache_memory_bytes=64 << 20,
+        max_num_seqs=8,
+        # CPU kernels for bf16 convolutions are not faster everywhere; fp32 is exact.
+        dtype="float32",
+        spare_core=True,
+    ),
+)
+
+
+def stage_settings(model_config: Any) -> StageSettings | None:
+    """The table's row for an omni stage's model config, or None for a stage it does not name."""
+    if getattr(getattr(model_config, "hf_config", None), "model_type", None) != QWEN3_TTS_MODEL_TYPE:
+        return None
+    stage = getattr(model_config, "model_stage", None)
+    return next((s for s in QWEN3_TTS_STAGES if s.model_stage == stage), None)
+
+
+def omni_kv_bytes(model_config: Any) -> int:
+    """The KV cache budget of an omni stage when the user set none."""
+    settings = stage_settings(model_config)
+    return DEFAULT_OMNI_KV_BYTES if settings is None else settings.kv_cache_memory_bytes
+
+
+def kv_space_from_env() -> bool:
+    """Whether VLLM_CPU_KVCACHE_SPACE sets the KV budget of every stage (then the table's does not)."""
+    return bool(os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+
+
+def cpu_stage_envs(cpus: list[int] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """OpenMP settings of the talker and code2wav workers, from the CPUs this process may use.
+
+    With 4 or more CPUs the talker binds to all but the last one and code2wav binds to the last
+    one. With fewer, the talker binds to all of them and code2wav runs one unbound thread (it
+    shares a core only while a chunk decodes). A VLLM_CPU_OMP_THREADS_BIND set by the user wins:
+    then nothing is set per stage.
+    """
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return {}, {}
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= 4:
+        talker = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[:-1]))}
+        code2wav = {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[-1])}
+    else:
+        talker = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
+        code2wav = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    return talker, code2wav
