@@ -13,6 +13,10 @@
                                         a small 12 Hz codec (Mimi encoder + Qwen3-TTS decoder) that
                                         keeps the real 1920-sample frame and 16 quantizers
 
+The JSON files are package data laid out as the checkpoint (``templates/qwen3_tts/``): a string
+value ``"$name"`` there is a placeholder that :func:`_fill` replaces with a value computed here
+(dimensions, kind, vocabulary sizes, the tokenizer's byte vocabulary).
+
 Weight names are the official ones (what vllm-omni's ``Qwen3TTSTalkerForConditionalGeneration
 .load_weights`` maps and qwen-tts's ``Qwen3TTSForConditionalGeneration`` declares):
 ``talker.model.{codec_embedding,text_embedding,layers.N.*,norm}``, ``talker.text_projection
@@ -25,17 +29,20 @@ by (seed, name), so a tensor does not depend on which other tensors are written:
 Dims: ``tiny`` (talker 64 wide / 2 layers, predictor 64 wide / 2 layers, real vocabularies and
 ids), ``tiny-proj`` (talker 96 wide, so the 1.7B-style projection exists), ``0.6b`` and ``1.7b``
 (released dimensions). ``omni_cpu_fastpath.json`` records the arguments and the outlier channels.
-Building tiny takes ~1 s plus the vllm-omni import (~10 s) that the codec weights need;
-``parts="predictor"`` (no codec) needs no vllm-omni: 0.6B predictor-only ~5 s, full 0.6B ~1 min.
+The codec and speaker-encoder weights are built by vllm-omni's modules, so ``parts="all"`` imports
+vllm-omni; ``parts="predictor"`` (no codec) does not.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import hashlib
 import json
 import zlib
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -44,59 +51,11 @@ KINDS = ("custom-voice", "base", "voice-design")
 PARTS = ("all", "predictor")
 _KIND_TO_TTS_TYPE = {"custom-voice": "custom_voice", "base": "base", "voice-design": "voice_design"}
 
-# Released ids (Qwen3-TTS-12Hz-*-CustomVoice config.json).
-CODEC_PAD, CODEC_BOS, CODEC_EOS = 2148, 2149, 2150
-SPEAKERS = {
-    "serena": 3066,
-    "vivian": 3065,
-    "uncle_fu": 3010,
-    "ryan": 3061,
-    "aiden": 2861,
-    "ono_anna": 2873,
-    "sohee": 2864,
-    "eric": 2875,
-    "dylan": 2878,
-}
-SPEAKER_DIALECT: dict[str, Any] = {
-    "serena": False,
-    "vivian": False,
-    "uncle_fu": False,
-    "ryan": False,
-    "aiden": False,
-    "ono_anna": False,
-    "sohee": False,
-    "eric": "sichuan_dialect",
-    "dylan": "beijing_dialect",
-}
-LANGUAGES = {
-    "chinese": 2055,
-    "english": 2050,
-    "german": 2053,
-    "italian": 2070,
-    "portuguese": 2071,
-    "spanish": 2054,
-    "japanese": 2058,
-    "korean": 2064,
-    "french": 2061,
-    "russian": 2069,
-    "beijing_dialect": 2074,
-    "sichuan_dialect": 2062,
-}
-TEXT_SPECIAL_TOKENS = {
-    "<|endoftext|>": 151643,
-    "<|im_start|>": 151644,
-    "<|im_end|>": 151645,
-    "<tts_pad>": 151671,
-    "<tts_text_bos>": 151672,
-    "<tts_text_eod>": 151673,
-}
-TEXT_VOCAB = 151936
-
 # Outlier recipe (outliers=True): how many hidden channels, and the scales applied.
 OUTLIER_CHANNELS = 4
 OUTLIER_NORM_SCALE = 30.0  # RMSNorm weight entries of those channels, every predictor layer
 OUTLIER_EMBED_SCALE = 10.0  # the same columns of the codec embeddings feeding the predictor
-PEAKED_HEAD_LOGIT_STD = 4.0  # codebook-head rows scaled so logits have ~this std (top-1 p ~ 0.3-0.6)
+PEAKED_HEAD_LOGIT_STD = 4.0  # target std of the codebook heads' logits, so top-1 is no longer uniform
 
 
 @dataclass(frozen=True)
@@ -134,10 +93,25 @@ _DIMS: dict[str, Dims] = {
     "1.7b": Dims(2048, 28, 16, 8, 128, 6144, 2048, (24, 20, 20), 1024, 5, 16, 8, 128, 3072,
                  "1b7", "bfloat16", False, (512, 512, 512, 512, 1536)),
 }
+# The tiny codec keeps everything that fixes the token stream (24 kHz, 1920 samples per frame,
+# 16 quantizers of 2048 entries, one semantic quantizer) and shrinks only widths and depths; the
+# template holds the released codec.
+_TINY_CODEC: dict[str, dict[str, int]] = {
+    "encoder_config": {"num_quantizers": 16, "hidden_size": 32, "num_filters": 8, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+                       "intermediate_size": 64, "codebook_dim": 16,
+                       "vector_quantization_hidden_dimension": 16, "upsample_groups": 32},
+    "decoder_config": {"latent_dim": 32, "codebook_dim": 16, "decoder_dim": 32, "hidden_size": 32,
+                       "intermediate_size": 64, "head_dim": 16, "num_attention_heads": 2,
+                       "num_key_value_heads": 2, "num_hidden_layers": 1,
+                       "vector_quantization_hidden_dimension": 16},
+}
 # fmt: on
+# Released sizes shared by the configs and the weight shapes.
 NUM_CODE_GROUPS = 16
 CODEBOOK_VOCAB = 2048
 TALKER_VOCAB = 3072
+TEXT_VOCAB = 151936
 LAYER0_EMBEDDING = "talker.model.codec_embedding.weight"
 
 
@@ -145,225 +119,81 @@ class CheckpointError(ValueError):
     """Bad arguments to :func:`make_model`."""
 
 
+def _checked(what: str, value: str, accepted: tuple[str, ...]) -> str:
+    if value not in accepted:
+        raise CheckpointError(f"{what}={value!r} is not valid; accepted values: {', '.join(accepted)}")
+    return value
+
+
 def dims_of(dims: str) -> Dims:
-    if dims not in _DIMS:
-        raise CheckpointError(f"dims={dims!r} is not valid; accepted values: {', '.join(DIMS)}")
-    return _DIMS[dims]
+    return _DIMS[_checked("dims", dims, DIMS)]
 
 
 # --------------------------------------------------------------------------------------------
-# config.json
+# JSON files, from the templates
 # --------------------------------------------------------------------------------------------
+
+
+def _template(rel: str) -> Any:
+    """``templates/qwen3_tts/<rel>`` as loaded JSON, placeholders still in."""
+    path = resources.files(__package__).joinpath("templates", "qwen3_tts", *rel.split("/"))
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _fill(node: Any, values: dict[str, Any]) -> Any:
+    """``node`` with every ``"$name"`` string replaced by (a copy of) ``values[name]``."""
+    if isinstance(node, dict):
+        return {k: _fill(v, values) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_fill(v, values) for v in node]
+    if isinstance(node, str) and node.startswith("$"):
+        if node[1:] not in values:
+            raise KeyError(f"template placeholder {node!r} has no value")
+        return copy.deepcopy(values[node[1:]])
+    return node
+
+
+_SIZES = {
+    "num_code_groups": NUM_CODE_GROUPS,
+    "codebook_vocab": CODEBOOK_VOCAB,
+    "talker_vocab": TALKER_VOCAB,
+    "text_vocab": TEXT_VOCAB,
+}
+# The released CustomVoice speaker table (name -> codec id), as the template holds it.
+SPEAKERS: dict[str, int] = _template("config.json")["talker_config"]["spk_id"]
 
 
 def build_config(dims: str = "tiny", kind: str = "custom-voice") -> dict[str, Any]:
     """The top-level ``config.json`` of a checkpoint, keys as in the released files."""
     d = dims_of(dims)
-    if kind not in KINDS:
-        raise CheckpointError(f"kind={kind!r} is not valid; accepted values: {', '.join(KINDS)}")
-    custom = kind == "custom-voice"
-    code_predictor_config = {
-        "model_type": "qwen3_tts_talker_code_predictor",
-        "vocab_size": CODEBOOK_VOCAB,
-        "hidden_size": d.cp_hidden,
-        "intermediate_size": d.cp_mlp,
-        "num_hidden_layers": d.cp_layers,
-        "num_attention_heads": d.cp_heads,
-        "num_key_value_heads": d.cp_kv_heads,
-        "head_dim": d.cp_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": 65536,
-        "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6,
-        "use_cache": True,
-        "tie_word_embeddings": False,
-        "rope_theta": 1000000,
-        "rope_scaling": None,
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": 28,
-        "layer_types": ["full_attention"] * d.cp_layers,
-        "attention_dropout": 0.0,
-        "num_code_groups": NUM_CODE_GROUPS,
-    }
-    talker_config = {
-        "model_type": "qwen3_tts_talker",
-        "code_predictor_config": code_predictor_config,
-        "vocab_size": TALKER_VOCAB,
-        "hidden_size": d.talker_hidden,
-        "intermediate_size": d.talker_mlp,
-        "num_hidden_layers": d.talker_layers,
-        "num_attention_heads": d.talker_heads,
-        "num_key_value_heads": d.talker_kv_heads,
-        "head_dim": d.talker_head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": 32768,
-        "initializer_range": 0.02,
-        "rms_norm_eps": 1e-6,
-        "use_cache": True,
-        "tie_word_embeddings": False,
-        "rope_theta": 1000000,
-        "rope_scaling": {
-            "interleaved": True,
-            "mrope_section": list(d.mrope_section),
-            "rope_type": "default",
-            "type": "default",
+    _checked("kind", kind, KINDS)
+    fields = {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(d).items()}
+    config = _fill(
+        _template("config.json"),
+        {
+            **fields,
+            **_SIZES,
+            "tts_model_type": _KIND_TO_TTS_TYPE[kind],
+            "cp_layer_types": ["full_attention"] * d.cp_layers,
+            "speaker_attention_channels": 16 if d.tiny_codec else 128,
+            "speaker_se_channels": 16 if d.tiny_codec else 128,
         },
-        "attention_bias": False,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "attention_dropout": 0.0,
-        "num_code_groups": NUM_CODE_GROUPS,
-        "text_hidden_size": d.text_hidden,
-        "text_vocab_size": TEXT_VOCAB,
-        "position_id_per_seconds": 13,
-        "codec_eos_token_id": CODEC_EOS,
-        "codec_think_id": 2154,
-        "codec_nothink_id": 2155,
-        "codec_think_bos_id": 2156,
-        "codec_think_eos_id": 2157,
-        "codec_pad_id": CODEC_PAD,
-        "codec_bos_id": CODEC_BOS,
-        "codec_language_id": dict(LANGUAGES),
-        "spk_id": dict(SPEAKERS) if custom else {},
-        "spk_is_dialect": dict(SPEAKER_DIALECT) if custom else {},
-    }
-    speaker_encoder_config = {
-        "mel_dim": 128,
-        "enc_dim": d.talker_hidden,
-        "enc_channels": list(d.speaker_channels),
-        "enc_kernel_sizes": [5, 3, 3, 3, 1],
-        "enc_dilations": [1, 2, 3, 4, 1],
-        "enc_attention_channels": 16 if d.tiny_codec else 128,
-        "enc_res2net_scale": 8,
-        "enc_se_channels": 16 if d.tiny_codec else 128,
-        "sample_rate": 24000,
-    }
-    return {
-        "architectures": ["Qwen3TTSForConditionalGeneration"],
-        "model_type": "qwen3_tts",
-        "tokenizer_type": "qwen3_tts_tokenizer_12hz",
-        "tts_model_size": d.size_tag,
-        "tts_model_type": _KIND_TO_TTS_TYPE[kind],
-        "im_start_token_id": TEXT_SPECIAL_TOKENS["<|im_start|>"],
-        "im_end_token_id": TEXT_SPECIAL_TOKENS["<|im_end|>"],
-        "tts_pad_token_id": TEXT_SPECIAL_TOKENS["<tts_pad>"],
-        "tts_bos_token_id": TEXT_SPECIAL_TOKENS["<tts_text_bos>"],
-        "tts_eos_token_id": TEXT_SPECIAL_TOKENS["<tts_text_eod>"],
-        "assistant_token_id": 77091,
-        "sample_rate": 24000,
-        "dtype": d.dtype,
-        "torch_dtype": d.dtype,
-        "talker_config": talker_config,
-        "speaker_encoder_config": speaker_encoder_config,
-    }
-
-
-GENERATION_CONFIG = {
-    "do_sample": True,
-    "repetition_penalty": 1.05,
-    "temperature": 0.9,
-    "top_p": 1.0,
-    "top_k": 50,
-    "subtalker_dosample": True,
-    "subtalker_temperature": 0.9,
-    "subtalker_top_p": 1.0,
-    "subtalker_top_k": 50,
-    "max_new_tokens": 8192,
-}
+    )
+    if kind != "custom-voice":
+        # Only CustomVoice checkpoints name speakers; Base and VoiceDesign ship empty tables.
+        config["talker_config"]["spk_id"] = {}
+        config["talker_config"]["spk_is_dialect"] = {}
+    return config
 
 
 def speech_tokenizer_config(dims: str = "tiny") -> dict[str, Any]:
-    """``speech_tokenizer/config.json``: released values for real dims, a narrow codec for tiny.
-
-    The tiny codec keeps everything that fixes the token stream (24 kHz, 1920 samples per frame,
-    16 quantizers of 2048 entries, one semantic quantizer) and shrinks only widths and depths.
-    """
+    """``speech_tokenizer/config.json``: released values for real dims, a narrow codec for tiny."""
     d = dims_of(dims)
+    config = _fill(_template("speech_tokenizer/config.json"), _SIZES)
     if d.tiny_codec:
-        enc = {"hidden_size": 32, "num_filters": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
-               "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64, "codebook_dim": 16,
-               "vector_quantization_hidden_dimension": 16, "upsample_groups": 32}  # fmt: skip
-        dec = {"latent_dim": 32, "codebook_dim": 16, "decoder_dim": 32, "hidden_size": 32,
-               "intermediate_size": 64, "head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 2,
-               "num_hidden_layers": 1, "vector_quantization_hidden_dimension": 16}  # fmt: skip
-    else:
-        enc = {"hidden_size": 512, "num_filters": 64, "num_hidden_layers": 8, "num_attention_heads": 8,
-               "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2048, "codebook_dim": 256,
-               "vector_quantization_hidden_dimension": 256, "upsample_groups": 512}  # fmt: skip
-        dec = {"latent_dim": 1024, "codebook_dim": 512, "decoder_dim": 1536, "hidden_size": 512,
-               "intermediate_size": 1024, "head_dim": 64, "num_attention_heads": 16,
-               "num_key_value_heads": 16, "num_hidden_layers": 8,
-               "vector_quantization_hidden_dimension": 512}  # fmt: skip
-    encoder_config = {
-        "model_type": "mimi",
-        "audio_channels": 1,
-        "sampling_rate": 24000,
-        "frame_rate": 12.5,
-        "kernel_size": 7,
-        "residual_kernel_size": 3,
-        "last_kernel_size": 3,
-        "num_residual_layers": 1,
-        "dilation_growth_rate": 2,
-        "compress": 2,
-        "upsampling_ratios": [8, 6, 5, 4],
-        "hidden_act": "gelu",
-        "norm_eps": 1e-5,
-        "layer_scale_initial_scale": 0.01,
-        "rope_theta": 10000.0,
-        "max_position_embeddings": 8000,
-        "sliding_window": 250,
-        "num_quantizers": 32 if not d.tiny_codec else 16,
-        "num_semantic_quantizers": 1,
-        "codebook_size": CODEBOOK_VOCAB,
-        "pad_mode": "constant",
-        "use_causal_conv": True,
-        "use_conv_shortcut": False,
-        "trim_right_ratio": 1.0,
-        "use_cache": False,
-        **enc,
-    }
-    decoder_config = {
-        "attention_bias": False,
-        "codebook_size": CODEBOOK_VOCAB,
-        "hidden_act": "silu",
-        "layer_scale_initial_scale": 0.01,
-        "max_position_embeddings": 8000,
-        "num_quantizers": NUM_CODE_GROUPS,
-        "num_semantic_quantizers": 1,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 10000,
-        "semantic_codebook_size": 4096,
-        "sliding_window": 72,
-        "upsample_rates": [8, 5, 4, 3],
-        "upsampling_ratios": [2, 2],
-        "attention_dropout": 0.0,
-        **dec,
-    }
-    return {
-        "architectures": ["Qwen3TTSTokenizerV2Model"],
-        "model_type": "qwen3_tts_tokenizer_12hz",
-        "encoder_valid_num_quantizers": NUM_CODE_GROUPS,
-        "input_sample_rate": 24000,
-        "output_sample_rate": 24000,
-        "decode_upsample_rate": 1920,
-        "encode_downsample_rate": 1920,
-        "encoder_config": encoder_config,
-        "decoder_config": decoder_config,
-    }
-
-
-PREPROCESSOR_CONFIG = {
-    "chunk_length_s": None,
-    "feature_extractor_type": "EncodecFeatureExtractor",
-    "feature_size": 1,
-    "overlap": None,
-    "padding_side": "right",
-    "padding_value": 0.0,
-    "return_attention_mask": True,
-    "sampling_rate": 24000,
-}
+        for section, widths in _TINY_CODEC.items():
+            config[section].update(widths)  # every key is in the template, so key order is kept
+    return config
 
 
 # --------------------------------------------------------------------------------------------
@@ -494,7 +324,7 @@ def _apply_outliers(tensors: dict[str, Any], dims: str, seed: int) -> None:
         elif name == f"{p}.small_to_mtp_projection.weight":
             t[ch, :] *= OUTLIER_EMBED_SCALE
         elif ".lm_head." in name:
-            # final-norm output has ~unit RMS per channel, so logit std ~ row_std * sqrt(H).
+            # final-norm output has about unit RMS per channel, so logit std is about row_std * sqrt(H).
             t *= PEAKED_HEAD_LOGIT_STD / (0.02 * d.cp_hidden**0.5)
     if d.talker_hidden == d.cp_hidden and LAYER0_EMBEDDING in tensors:
         # Layer-0 embeddings enter the predictor too (position 1).
@@ -566,71 +396,19 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def tokenizer_json() -> dict[str, Any]:
     """A byte-level BPE tokenizer: ids 0-255 are bytes, special tokens keep their Qwen ids."""
+    template = _template("tokenizer.json")
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
-    vocab.update(TEXT_SPECIAL_TOKENS)
-    added = [
-        {
-            "id": i,
-            "content": c,
-            "single_word": False,
-            "lstrip": False,
-            "rstrip": False,
-            "normalized": False,
-            "special": True,
-        }
-        for c, i in TEXT_SPECIAL_TOKENS.items()
-    ]
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": added,
-        "normalizer": None,
-        "pre_tokenizer": {
-            "type": "ByteLevel",
-            "add_prefix_space": False,
-            "trim_offsets": True,
-            "use_regex": True,
-        },
-        "post_processor": {
-            "type": "ByteLevel",
-            "add_prefix_space": False,
-            "trim_offsets": False,
-            "use_regex": False,
-        },
-        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": None,
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": False,
-            "byte_fallback": False,
-            "ignore_merges": False,
-            "vocab": dict(sorted(vocab.items(), key=lambda kv: kv[1])),
-            "merges": [],
-        },
-    }
-
-
-TOKENIZER_CONFIG = {
-    "tokenizer_class": "Qwen2Tokenizer",
-    "model_max_length": 32768,
-    "bos_token": None,
-    "eos_token": "<|im_end|>",
-    "pad_token": "<|endoftext|>",
-    "unk_token": None,
-    "errors": "replace",
-    "add_prefix_space": False,
-    "clean_up_tokenization_spaces": False,
-    "split_special_tokens": False,
-}
+    vocab.update({t["content"]: t["id"] for t in template["added_tokens"]})
+    return _fill(template, {"vocab": dict(sorted(vocab.items(), key=lambda kv: kv[1]))})
 
 
 # --------------------------------------------------------------------------------------------
 # Writer
 # --------------------------------------------------------------------------------------------
+
+
+# Templates without placeholders: written as they are.
+_VERBATIM = ("generation_config.json", "tokenizer_config.json", "speech_tokenizer/preprocessor_config.json")
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -669,22 +447,21 @@ def make_model(
     byte-identical safetensors files.
 
     ``outliers=True`` makes the code predictor look trained where int8 quantization cares:
-    - ``OUTLIER_CHANNELS`` (4) hidden channels, picked by seed (:func:`outlier_channels`), get their
-      ``input_layernorm`` and ``post_attention_layernorm`` weights multiplied by 30 in every
-      predictor layer, so every q/k/v and gate/up input has 4 channels ~30x above the rest;
-    - the same columns of the codec embeddings that feed the predictor (its 15 residual tables and
+    - ``OUTLIER_CHANNELS`` hidden channels, picked by seed (:func:`outlier_channels`), get their
+      ``input_layernorm`` and ``post_attention_layernorm`` weights multiplied by
+      ``OUTLIER_NORM_SCALE`` in every predictor layer, so every q/k/v and gate/up input carries
+      those channels far above the rest;
+    - the same columns of the codec embeddings that feed the predictor (its residual tables and
       the talker's layer-0 table; or the rows of ``small_to_mtp_projection`` when it exists) are
-      multiplied by 10, so the residual stream carries them too;
-    - the 15 codebook heads are scaled so their logits have a standard deviation of ~4 instead of
-      ~0.16: the top-1 probability becomes substantial (typically 0.2-0.7) rather than ~1/2048.
+      multiplied by ``OUTLIER_EMBED_SCALE``, so the residual stream carries them too;
+    - the codebook heads are scaled so their logits have a standard deviation of
+      ``PEAKED_HEAD_LOGIT_STD``: the top-1 probability becomes substantial rather than near-uniform.
     """
     import torch
 
     d = dims_of(dims)
-    if kind not in KINDS:
-        raise CheckpointError(f"kind={kind!r} is not valid; accepted values: {', '.join(KINDS)}")
-    if parts not in PARTS:
-        raise CheckpointError(f"parts={parts!r} is not valid; accepted values: {', '.join(PARTS)}")
+    _checked("kind", kind, KINDS)
+    _checked("parts", parts, PARTS)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = build_config(dims, kind)
@@ -704,15 +481,17 @@ def make_model(
         if kind == "base" and parts == "all":
             tensors.update(_speaker_encoder_tensors(config, seed))
         _save_safetensors(tensors, out / "model.safetensors", d.dtype)
-        _write_json(out / "config.json", config)
-        _write_json(out / "generation_config.json", GENERATION_CONFIG)
-        _write_json(out / "tokenizer.json", tokenizer_json())
-        _write_json(out / "tokenizer_config.json", TOKENIZER_CONFIG)
+        st_config = speech_tokenizer_config(dims)
+        written = {
+            "config.json": config,
+            "tokenizer.json": tokenizer_json(),
+            "speech_tokenizer/config.json": st_config,
+            **{rel: _template(rel) for rel in _VERBATIM},
+        }
         st = out / "speech_tokenizer"
         st.mkdir(exist_ok=True)
-        st_config = speech_tokenizer_config(dims)
-        _write_json(st / "config.json", st_config)
-        _write_json(st / "preprocessor_config.json", PREPROCESSOR_CONFIG)
+        for rel, obj in written.items():
+            _write_json(out / rel, obj)
         if parts == "all":
             _save_safetensors(_speech_tokenizer_tensors(st_config, seed), st / "model.safetensors", "float32")
         elif (st / "model.safetensors").exists():
