@@ -6,7 +6,7 @@ not depend on the values (parity lives in tests/test_quant.py and ``omni-cpu-fas
 Speed is reported, never asserted. Each row's ``extra_info`` holds, measured in the same session:
 ``ms_per_frame``, ``floor_ms`` (int8 bytes per frame / best read bandwidth, ``bench.floor``),
 ``ratio_to_floor`` and ``speedup_vs_stock-fp32`` (the stock vllm-omni predictor, fp32, eager).
-Targets of issue 5 on the 2-core machine: the default variant within 1.5x of the int8 floor and
+Targets on the 2-core machine: the default variant within 1.5x of the int8 floor and
 >= 10x faster than stock fp32.
 """
 

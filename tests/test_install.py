@@ -1,4 +1,4 @@
-"""The one-command setup produced a working stack (what issue 2's install item promises)."""
+"""The one-command setup produced a working stack: the pinned packages import and the CLIs run."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ defaults, each of which an argument or variable given by the user overrides:
 
 - for Qwen3-TTS (a local folder whose config.json says ``qwen3_tts``, or a released name with
   ``Qwen3-TTS`` in it), ``--deploy-config`` = the CPU deploy config of
-  :func:`omni_cpu_fastpath.serving.plugins.cpu_deploy_config_path`: Model Runner V1 (V2 needs Triton GPU
+  :func:`omni_cpu_fastpath.serving.deploy_config.cpu_deploy_config_path`: Model Runner V1 (V2 needs Triton GPU
   kernels), eager (no CUDA graphs, no minutes of inductor compile), 8 sequences per stage, a
   talker context of 4096 frames (5.5 minutes of audio), 1 GiB of talker KV cache and 64 MiB for
   code2wav (VLLM_CPU_KVCACHE_SPACE, in GiB for every stage, replaces both), and the cores split

@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import hashlib
 import json
 import zlib
 from dataclasses import dataclass
@@ -509,14 +508,6 @@ def make_model(
         },  # fmt: skip
     )
     return out
-
-
-def file_digest(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def cli_make_model(args: argparse.Namespace) -> int:
