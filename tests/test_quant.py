@@ -364,3 +364,20 @@ def test_stacked_int8pack_mm_reads_the_indexed_head() -> None:
         assert got.dtype == torch.bfloat16
         torch.testing.assert_close(got.double(), want, rtol=1e-2, atol=1e-2)
     torch.library.opcheck(quant.stacked_int8pack_mm, (x, q, s, torch.tensor([2])))
+
+
+def test_torchao_quantize_applies_an_int8_config(tiny_stock, tiny_inputs):
+    """An int8 scheme is a torchao config: torchao's own ``quantize_`` applies it, through the
+    handler the package registers, to the same numbers as the flag's road."""
+    from torchao.quantization import quantize_
+
+    args = _tf_args(tiny_inputs)
+    fp32 = parity.build_variant(tiny_stock, "fp32")
+    via_torchao = parity.build_variant(tiny_stock, "fp32")
+    quantize_(via_torchao, quant.W8ChannelConfig(), filter_fn=quant.is_code_predictor)
+    via_flag = parity.build_variant(tiny_stock, "w8-channel")
+    assert isinstance(via_torchao.heads, quant.Int8StackedHeads)
+    assert isinstance(via_torchao.model.layers[0].self_attn.qkv_proj, quant.Int8Linear)
+    got = parity.teacher_forced_logits(via_torchao, *args)
+    torch.testing.assert_close(got, parity.teacher_forced_logits(via_flag, *args), rtol=0, atol=0)
+    assert not torch.equal(got, parity.teacher_forced_logits(fp32, *args))
