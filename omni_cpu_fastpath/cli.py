@@ -59,6 +59,11 @@ def _lazy(module: str, func: str):
     return run
 
 
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    module = "spark.checkpoint" if args.arch == "spark2_5" else "checkpoint"
+    return _lazy(module, "cli_make_model")(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-cpu-fastpath", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,14 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=_cmd_stats)
 
-    s = sub.add_parser("make-model", help="write a random Qwen3-TTS checkpoint in the released layout")
+    s = sub.add_parser("make-model", help="write a random checkpoint (Qwen3-TTS or Spark-X2.5) as released")
     s.add_argument("dir")
-    s.add_argument("--dims", choices=("tiny", "tiny-proj", "0.6b", "1.7b"), default="tiny")
+    s.add_argument("--arch", choices=("qwen3_tts", "spark2_5"), default="qwen3_tts")
+    s.add_argument("--dims", choices=("tiny", "tiny-proj", "0.6b", "1.7b", "4b"), default="tiny")
     s.add_argument("--kind", choices=("custom-voice", "base", "voice-design"), default="custom-voice")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--outliers", action="store_true", help="outlier hidden channels and peaked heads")
     s.add_argument("--parts", choices=("all", "predictor"), default="all", help="predictor: only its weights")
-    s.set_defaults(run=_lazy("checkpoint", "cli_make_model"))
+    s.set_defaults(run=_cmd_make_model)
 
     s = sub.add_parser("reference", help="greedy codes and teacher-forced logits of the qwen-tts reference")
     s.add_argument("model")
