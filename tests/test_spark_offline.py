@@ -4,7 +4,8 @@ fp32, eager and compiled: greedy tokens equal for 32 steps and every top-20 logp
 generated and of the prompt positions) within 1e-4 of the reference's float64 log-softmax.
 Prompts are longer than the tiny window (8) and 32 steps more reach past 6 windows, so the
 sliding layers' window, the full layers' partial RoPE and the gate are all exercised.
-bf16 (eager) against the fp32 reference: a bound measured once and frozen here.
+bf16 (eager; compiled too on a CPU with AMX, where vLLM's CPU linear dispatch takes the other
+layers) against the fp32 reference: a bound measured once and frozen here.
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ from spark_helpers import PROMPTS, STEPS, TOPK, run_llm, spark_tiny_dir  # noqa:
 from omni_cpu_fastpath.spark.reference import Reference
 
 LOGPROB_TOL = 1e-4
-# bf16 weights and activations against the fp32 reference, tiny model: the largest top-20
-# logprob difference on the steps where the greedy tokens still agree, and how many leading
-# greedy tokens must agree (a near-tie may flip a later one in bf16).
-BF16_LOGPROB_TOL = 0.5
-BF16_AGREE_STEPS = 4
+# bf16 (weights, activations, KV cache) against the fp32 reference, tiny model, frozen from a
+# measured run with margin: the largest difference of any returned top-20 logprob, of the top-1
+# logprob, and how many leading greedy tokens must agree (a near-tie may flip one in bf16).
+BF16_TOP20_TOL = 1.0
+BF16_TOP1_TOL = 0.35
+BF16_AGREE_STEPS = 16
 
 
 @pytest.fixture(scope="module")
@@ -74,12 +76,7 @@ def test_llm_compiled_fp32_equals_reference(spark_tiny_dir: Path, tmp_path: Path
     _check_fp32(result, expected)
 
 
-def test_llm_bf16_within_the_frozen_bound_of_fp32_reference(
-    spark_tiny_dir: Path,  # noqa: F811
-    tmp_path: Path,
-    expected: list[dict],
-):
-    result = run_llm(spark_tiny_dir, "eager-bf16", tmp_path)
+def _check_bf16(result: dict, expected: list[dict]) -> None:
     for got, want in zip(result["results"], expected, strict=True):
         agree = 0
         while agree < STEPS and got["tokens"][agree] == want["tokens"][agree]:
@@ -87,4 +84,25 @@ def test_llm_bf16_within_the_frozen_bound_of_fp32_reference(
         assert agree >= BF16_AGREE_STEPS, (agree, got["tokens"], want["tokens"])
         # Up to and including the first differing step, both saw the same context.
         steps = min(agree + 1, STEPS)
-        assert _max_logprob_diff(got["logprobs"], want["logprobs"], steps) <= BF16_LOGPROB_TOL
+        assert _max_logprob_diff(got["logprobs"], want["logprobs"], steps) <= BF16_TOP20_TOL
+        for d, lp in zip(got["logprobs"][:steps], want["logprobs"][:steps], strict=True):
+            tok, value = max(d.items(), key=lambda kv: kv[1])
+            assert abs(value - lp[int(tok)].item()) <= BF16_TOP1_TOL
+
+
+def test_llm_bf16_within_the_frozen_bound_of_fp32_reference(
+    spark_tiny_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    expected: list[dict],
+):
+    _check_bf16(run_llm(spark_tiny_dir, "eager-bf16", tmp_path), expected)
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs a CPU with AMX (sgl-kernel)")
+def test_llm_compiled_bf16_with_vllm_cpu_linear_dispatch_on_amx(
+    spark_tiny_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    expected: list[dict],
+):
+    # With AMX vLLM routes bf16 linears through sgl-kernel; the gate stays F.linear.
+    _check_bf16(run_llm(spark_tiny_dir, "compiled-bf16", tmp_path), expected)
