@@ -79,7 +79,8 @@ def convert_value(raw: str, types: set[str] | None) -> Any:
         # bool is an int in Python; an integer parameter must not take true/false.
         if py and isinstance(parsed, py) and not (t in ("integer", "number") and isinstance(parsed, bool)):
             return parsed
-    return raw if "string" in types else parsed
+    # Nothing declared fits: the text as written, for the caller's validation to report.
+    return raw
 
 
 def parse_call(body: str, tools: Sequence[Any] | None) -> tuple[str, dict[str, Any]]:
@@ -103,6 +104,14 @@ class Spark25ToolParser(ToolParser):
         super().__init__(tokenizer, tools)
         self._content_sent = 0  # characters of content already streamed
         self._calls_sent = 0
+
+    def adjust_request(self, request: Any) -> Any:
+        request = super().adjust_request(request)
+        if request.tools and request.tool_choice != "none":
+            # The tags may be special tokens, which detokenization would otherwise drop before
+            # the parser sees them.
+            request.skip_special_tokens = False
+        return request
 
     def _tools(self, request: ChatCompletionRequest | None) -> Sequence[Any] | None:
         if request is not None and getattr(request, "tools", None):
