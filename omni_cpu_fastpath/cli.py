@@ -101,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=_lazy("quant", "cli_parity"))
 
-    s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve")
+    s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve, spark")
     bench = s.add_subparsers(dest="what", required=True)
     b = bench.add_parser("predictor", help="ms per frame of the code predictor, against the floor")
     b.add_argument("--dims", choices=("tiny", "0.6b", "1.7b"), default="0.6b")
@@ -123,6 +123,17 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=3)
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_lazy("bench.serve", "cli"))
+
+    b = bench.add_parser(
+        "spark", help="Spark-X2.5 served decode, hybrid vs all-full layers, against the floor"
+    )
+    b.add_argument("--dims", choices=("tiny", "1.7b", "4b"), default="1.7b")
+    b.add_argument("--contexts", default="1024,4096")
+    b.add_argument("--decode", type=int, default=32, help="tokens decoded per context")
+    b.add_argument("--model", default=None, help="an existing checkpoint folder (default: a random one)")
+    b.add_argument("--workdir", default=None)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_lazy("bench.spark", "cli"))
 
     s = sub.add_parser("serve", help="vllm serve MODEL --omni with CPU-friendly defaults")
     s.add_argument("model")

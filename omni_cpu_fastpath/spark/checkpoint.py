@@ -39,7 +39,7 @@ def _pattern(n: int) -> list[str]:
 _DIMS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=8,
-                 max_position_embeddings=4096),
+                 max_position_embeddings=8192),
     "1.7b": dict(vocab_size=131072, hidden_size=2048, intermediate_size=6656, num_hidden_layers=28,
                  num_attention_heads=8, num_key_value_heads=2, head_dim=256, sliding_window=512,
                  max_position_embeddings=1048576),
