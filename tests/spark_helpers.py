@@ -47,8 +47,9 @@ _LLM_SCRIPT = textwrap.dedent(
     import json, sys
     from vllm import LLM, SamplingParams
     model, mode, out = sys.argv[1:4]
+    MAX_MODEL_LEN = 256
     dtype = "bfloat16" if "bf16" in mode else "float32"
-    llm = LLM(model=model, dtype=dtype, enforce_eager=mode.startswith("eager"), max_model_len=256,
+    llm = LLM(model=model, dtype=dtype, enforce_eager=mode.startswith("eager"), max_model_len=MAX_MODEL_LEN,
               max_num_seqs=4, seed=0)
     sp = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[5]), logprobs=int(sys.argv[6]),
                         prompt_logprobs=int(sys.argv[6]), ignore_eos=True)
@@ -63,7 +64,10 @@ _LLM_SCRIPT = textwrap.dedent(
                                 for d in o.prompt_logprobs],
         })
     hf_config = type(llm.llm_engine.model_config.hf_config).__name__
-    json.dump({"results": res, "hf_config": hf_config}, open(out, "w"))
+    # Rows of each layer's RoPE cos/sin cache (capped at max_model_len, not the config's 1M).
+    rope_rows = llm.apply_model(
+        lambda m: [layer.self_attn.rotary_emb.cos_sin_cache.shape[0] for layer in m.model.layers])
+    json.dump({"results": res, "hf_config": hf_config, "rope_rows": rope_rows}, open(out, "w"))
     """
 )
 

@@ -174,6 +174,7 @@ def run(
         "bandwidth_kernel": bw.kernel,
         "weight_bytes_bf16": weights,
         "decode_tokens": decode,
+        "load_1min_at_end": os.getloadavg()[0],
         "rows": rows,
     }
 

@@ -295,10 +295,6 @@ class Spark2_5ForCausalLM(nn.Module, SupportsPP):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         config = vllm_config.model_config.hf_config
-        if not isinstance(config, Spark2_5Config):
-            # A config loaded some other way (e.g. through remote code): validate it as ours.
-            config = Spark2_5Config(**config.to_dict())
-            vllm_config.model_config.hf_config = config
         self.config = config
         self.model = Spark2_5Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         if get_pp_group().is_last_rank:
