@@ -1,7 +1,7 @@
 """pytest-benchmark: Spark-X2.5 served decode against the weight-streaming floor (``make bench``).
 
-``OMNI_BENCH_DIMS=tiny`` (the smoke run of ``make test``): the tiny checkpoint, hybrid layers, one
-short context. Otherwise 1.7B dimensions, hybrid and all-full layers at 1k and 4k context, as
+``OMNI_BENCH_DIMS=tiny`` (the smoke run of ``make test``): the tiny checkpoint, eager, hybrid
+layers, one short context. Otherwise 1.7B dimensions, hybrid and all-full layers at 1k and 4k context, as
 ``omni-cpu-fastpath bench spark`` runs them. Speed is reported in ``extra_info``, never asserted.
 """
 
@@ -16,7 +16,7 @@ TINY = os.environ.get("OMNI_BENCH_DIMS", "0.6b") == "tiny"
 
 def test_spark_served_decode(benchmark, tmp_path) -> None:
     kwargs = (
-        {"dims": "tiny", "contexts": (256,), "layouts": ("hybrid",), "decode": 8}
+        {"dims": "tiny", "contexts": (256,), "layouts": ("hybrid",), "decode": 8, "eager": True}
         if TINY
         else {"dims": "1.7b", "contexts": spark.CONTEXTS, "layouts": spark.LAYOUTS, "decode": 32}
     )

@@ -130,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dims", choices=("tiny", "1.7b", "4b"), default="1.7b")
     b.add_argument("--contexts", default="1024,4096")
     b.add_argument("--decode", type=int, default=32, help="tokens decoded per context")
+    b.add_argument("--eager", action="store_true", help="serve with --enforce-eager (default: compiled)")
     b.add_argument("--model", default=None, help="an existing checkpoint folder (default: a random one)")
     b.add_argument("--workdir", default=None)
     b.add_argument("--json", action="store_true")

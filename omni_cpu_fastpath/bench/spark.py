@@ -62,18 +62,27 @@ def weight_bytes(cfg: dict[str, Any], dtype_bytes: int = 2) -> int:
 
 
 class _Server:
-    def __init__(self, model: Path, max_len: int, overrides: dict | None, workdir: Path) -> None:
+    def __init__(
+        self, model: Path, max_len: int, overrides: dict | None, workdir: Path, threads: int, eager: bool
+    ) -> None:
         self.port = _free_port()
         self.log = workdir / f"server-{self.port}.log"
         cmd = [
             str(Path(sys.executable).parent / "vllm"), "serve", str(model), "--served-model-name", "spark",
             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "bfloat16",
             "--max-model-len", str(max_len), "--max-num-seqs", "1", "--no-enable-prefix-caching",
+            # Chunked prefill in 1k steps: also bounds the start-up warm-up forward.
+            "--max-num-batched-tokens", "1024",
         ]  # fmt: skip
         if overrides:
             cmd += ["--hf-overrides", json.dumps(overrides)]
+        if eager:
+            cmd.append("--enforce-eager")
         env = {**os.environ, "VLLM_CACHE_ROOT": str(workdir / "vllm-cache"), "HF_HUB_OFFLINE": "1"}
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+        # vLLM would otherwise drop to one torch thread on a 2-core machine: serve with the threads
+        # the floor is measured with.
+        env["OMP_NUM_THREADS"] = str(threads)
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -131,6 +140,7 @@ def run(
     decode: int = 32,
     model_dir: str | Path | None = None,
     workdir: str | Path | None = None,
+    eager: bool = False,
 ) -> dict[str, Any]:
     import torch
 
@@ -143,15 +153,16 @@ def run(
     if not (model / "model.safetensors").exists():
         make_model(model, dims=dims, seed=0)
     cfg = json.loads((model / "config.json").read_text())
-    # The same threads as the served model's worker.
-    torch.set_num_threads(min(torch.get_num_threads(), os.cpu_count() or 1))
+    # The floor and the served worker use the same number of threads.
+    threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
     bw = measure_bandwidth()
     weights = weight_bytes(cfg)
     rows = []
     for layout in layouts:
         types = cfg["layer_types"] if layout == "hybrid" else ["full_attention"] * cfg["num_hidden_layers"]
         overrides = None if layout == "hybrid" else {"layer_types": types}
-        server = _Server(model, max(contexts) + decode + 16, overrides, work)
+        server = _Server(model, max(contexts) + decode + 16, overrides, work, threads, eager)
         try:
             for context in contexts:
                 kv = kv_bytes(cfg, types, context)
@@ -170,6 +181,8 @@ def run(
         "dims": dims,
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
+        "threads": threads,
+        "compiled": not eager,
         "bandwidth_gbs": bw.best_gbs,
         "bandwidth_kernel": bw.kernel,
         "weight_bytes_bf16": weights,
@@ -199,6 +212,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 def cli(args: argparse.Namespace) -> int:
     contexts = tuple(int(c) for c in args.contexts.split(","))
-    result = run(args.dims, contexts=contexts, decode=args.decode, model_dir=args.model, workdir=args.workdir)
+    result = run(
+        args.dims, contexts=contexts, decode=args.decode, model_dir=args.model, workdir=args.workdir,
+        eager=args.eager,
+    )  # fmt: skip
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0
