@@ -59,6 +59,11 @@ def _lazy(module: str, func: str):
     return run
 
 
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    module = "testing.spark_checkpoint" if args.arch == "spark2_5" else "testing.checkpoint"
+    return _lazy(module, "cli_make_model")(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-cpu-fastpath", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -72,14 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=_cmd_stats)
 
-    s = sub.add_parser("make-model", help="write a random Qwen3-TTS checkpoint in the released layout")
+    s = sub.add_parser("make-model", help="write a random checkpoint (Qwen3-TTS or Spark-X2.5) as released")
     s.add_argument("dir")
-    s.add_argument("--dims", choices=("tiny", "tiny-proj", "0.6b", "1.7b"), default="tiny")
+    s.add_argument("--arch", choices=("qwen3_tts", "spark2_5"), default="qwen3_tts")
+    s.add_argument("--dims", choices=("tiny", "tiny-proj", "0.6b", "1.7b", "4b"), default="tiny")
     s.add_argument("--kind", choices=("custom-voice", "base", "voice-design"), default="custom-voice")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--outliers", action="store_true", help="outlier hidden channels and peaked heads")
     s.add_argument("--parts", choices=("all", "predictor"), default="all", help="predictor: only its weights")
-    s.set_defaults(run=_lazy("testing.checkpoint", "cli_make_model"))
+    s.set_defaults(run=_cmd_make_model)
 
     s = sub.add_parser("reference", help="greedy codes and teacher-forced logits of the qwen-tts reference")
     s.add_argument("model")
@@ -95,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=_lazy("qwen3_tts.parity", "cli_parity"))
 
-    s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve")
+    s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve, spark")
     bench = s.add_subparsers(dest="what", required=True)
     b = bench.add_parser("predictor", help="ms per frame of the code predictor, against the floor")
     b.add_argument("--dims", choices=("tiny", "0.6b", "1.7b"), default="0.6b")
@@ -117,6 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--requests", type=int, default=3)
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_lazy("bench.serve", "cli"))
+
+    b = bench.add_parser(
+        "spark", help="Spark-X2.5 served decode, hybrid vs all-full layers, against the floor"
+    )
+    b.add_argument("--dims", choices=("tiny", "1.7b", "4b"), default="1.7b")
+    b.add_argument("--contexts", default="1024,4096")
+    b.add_argument("--decode", type=int, default=32, help="tokens decoded per context")
+    b.add_argument("--eager", action="store_true", help="serve with --enforce-eager (default: compiled)")
+    b.add_argument("--model", default=None, help="an existing checkpoint folder (default: a random one)")
+    b.add_argument("--workdir", default=None)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_lazy("bench.spark", "cli"))
 
     s = sub.add_parser("serve", help="vllm serve MODEL --omni with CPU-friendly defaults")
     s.add_argument("model")

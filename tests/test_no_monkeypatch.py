@@ -1,7 +1,8 @@
 """Importing and activating omni_cpu_fastpath changes no attribute of vllm or vllm_omni.
 
 "Activating" is everything vllm-omni and vLLM do with this package: calling each entry-point
-function (both platform plugins, ``register_models`` with the fast path on and off), building
+function (both platform plugins, ``register_models`` with the fast path on and off, Spark-X2.5's
+``vllm.general_plugins`` entry point and the model and tool parser it registers), building
 both platform classes, and resolving the registered talker class. The check runs in a fresh
 interpreter: every loaded ``vllm*`` module's ``__dict__`` (value identities) and the ``__dict__``
 of every class defined in those modules are snapshotted before and compared after. Registering
@@ -56,6 +57,16 @@ SCRIPT = textwrap.dedent(
         "vllm_omni.worker.gpu_ar_model_runner", "vllm_omni.worker.gpu_generation_model_runner",
         "vllm_omni.worker.mixins", "vllm_omni.model_executor.models.registry",
         "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker", "vllm_omni.config.pipeline_registry",
+        # What the Spark-X2.5 model and tool parser import.
+        "vllm.model_executor.models.registry", "vllm.model_executor.models.utils",
+        "vllm.model_executor.models.interfaces", "vllm.model_executor.utils", "vllm.compilation.decorators",
+        "vllm.model_executor.layers.activation", "vllm.model_executor.layers.attention",
+        "vllm.model_executor.layers.layernorm", "vllm.model_executor.layers.linear",
+        "vllm.model_executor.layers.logits_processor", "vllm.model_executor.layers.quantization",
+        "vllm.model_executor.layers.rotary_embedding", "vllm.model_executor.layers.vocab_parallel_embedding",
+        "vllm.sequence", "vllm.tool_parsers.abstract_tool_parser", "vllm.tool_parsers.utils",
+        "vllm.entrypoints.chat_utils", "vllm.entrypoints.generate.base.protocol",
+        "vllm.entrypoints.openai.chat_completion.protocol",
     ]:
         importlib.import_module(m)
     import vllm.platforms, vllm_omni.platforms
@@ -88,6 +99,18 @@ SCRIPT = textwrap.dedent(
     for qual in (p.get_omni_ar_worker_cls(), p.get_omni_generation_worker_cls()):
         resolve_obj_by_qualname(qual)
     deploy_config.cpu_deploy_config_path()
+
+    # Spark-X2.5's vllm.general_plugins entry point, twice, and what it registered resolved.
+    from importlib.metadata import entry_points
+    (spark_ep,) = [e for e in entry_points(group="vllm.general_plugins") if e.name.endswith("_spark")]
+    os.environ["VLLM_OMNI_SPARK"] = "1"
+    spark_ep.load()()
+    spark_ep.load()()
+    from vllm import ModelRegistry
+    from vllm.tool_parsers.abstract_tool_parser import ToolParserManager
+    from omni_cpu_fastpath.spark import model as spark_model, tool_parser as spark_tool_parser
+    assert ModelRegistry._try_load_model_cls("Spark2_5ForCausalLM") is spark_model.Spark2_5ForCausalLM
+    assert ToolParserManager.get_tool_parser("spark25") is spark_tool_parser.Spark25ToolParser
 
     mods1, classes1 = snapshot()
     changed = diff(mods0, mods1) + diff(classes0, classes1)

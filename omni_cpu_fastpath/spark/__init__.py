@@ -1,0 +1,13 @@
+"""Spark-X2.5 (``Spark2_5ForCausalLM``, model_type ``spark2_5``) for vLLM, on CPU and GPU.
+
+- ``config``: the transformers config class (registered with ``AutoConfig.register``).
+- ``model``: the vLLM model, built from vLLM's own layers.
+- ``tool_parser``: the ``spark25`` tool-call parser.
+- ``plugin``: the ``vllm.general_plugins`` entry point that registers all three.
+
+Random checkpoints in the released layout (``testing/spark_checkpoint.py``) and the plain-PyTorch
+reference written from the released semantics, with mlx-lm beside it
+(``testing/spark_reference.py``), live with the other test helpers.
+
+Importing this package imports neither vllm nor torch.
+"""
