@@ -50,7 +50,7 @@ from vllm.sequence import IntermediateTensors
 
 from .config import Spark2_5Config
 
-logger = logging.getLogger("vllm.omni_cpu_fastpath.spark.model")
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 
 class HeadGate(nn.Module):

@@ -14,7 +14,7 @@ import logging
 
 from omni_cpu_fastpath import envs
 
-logger = logging.getLogger("vllm.omni_cpu_fastpath.spark.plugin")
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 FLAG = "VLLM_OMNI_SPARK"
 MODEL_QUALNAME = "omni_cpu_fastpath.spark.model:Spark2_5ForCausalLM"

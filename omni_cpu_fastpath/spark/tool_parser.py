@@ -32,7 +32,7 @@ from vllm.tokenizers import TokenizerLike
 from vllm.tool_parsers.abstract_tool_parser import Tool, ToolParser
 from vllm.tool_parsers.utils import partial_tag_overlap
 
-logger = logging.getLogger("vllm.omni_cpu_fastpath.spark.tool_parser")
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 NAME = "spark25"
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"
