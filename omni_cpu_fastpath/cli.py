@@ -12,6 +12,7 @@ import importlib
 import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 
 def _cmd_flags(args: argparse.Namespace) -> int:
@@ -60,6 +61,11 @@ def _lazy(module: str, func: str):
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
+    out = Path(args.dir)
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
+        raise SystemExit(
+            f"omni-cpu-fastpath make-model: {out} exists and is not a checkpoint folder; refusing to write"
+        )
     module = "testing.spark_checkpoint" if args.arch == "spark2_5" else "testing.checkpoint"
     return _lazy(module, "cli_make_model")(args)
 

@@ -512,10 +512,6 @@ def make_model(
 
 def cli_make_model(args: argparse.Namespace) -> int:
     out = Path(args.dir)
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise SystemExit(
-            f"omni-cpu-fastpath make-model: {out} exists and is not a checkpoint folder; refusing to write"
-        )
     parts = getattr(args, "parts", "all")
     path = make_model(
         out, dims=args.dims, kind=args.kind, seed=args.seed, outliers=args.outliers, parts=parts

@@ -246,10 +246,6 @@ def make_model(out_dir: str | Path, dims: str = "tiny", seed: int = 0) -> Path:
 
 def cli_make_model(args: argparse.Namespace) -> int:
     out = Path(args.dir)
-    if out.exists() and any(out.iterdir()) and not (out / "config.json").exists():
-        raise SystemExit(
-            f"omni-cpu-fastpath make-model: {out} exists and is not a checkpoint folder; refusing"
-        )
     if args.dims not in DIMS:
         raise SystemExit(f"omni-cpu-fastpath make-model --arch spark2_5: --dims must be one of {list(DIMS)}")
     path = make_model(out, dims=args.dims, seed=args.seed)
