@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,13 @@ FLAGS: dict[str, Flag] = {
             "CpuSampler takes the talker's step through its C kernel when built (0: the numpy path).",
         ),
         Flag(
+            "VLLM_OMNI_CPU_PRELOAD",
+            "choice",
+            "auto",
+            "LD_PRELOAD of a started server: tcmalloc and Intel OpenMP where installed (require: both).",
+            choices=("auto", "require", "off"),
+        ),
+        Flag(
             "VLLM_OMNI_SPARK",
             "bool",
             "1",
@@ -154,10 +162,13 @@ def has_accelerator() -> bool:
     return bool(npu is not None and npu.is_available())
 
 
-def raw(name: str) -> str:
-    """The raw string of a flag: the environment's value, else its default."""
+def raw(name: str, environ: Mapping[str, str] | None = None) -> str:
+    """The raw string of a flag: the environment's value, else its default.
+
+    ``environ`` reads another process's environment-to-be instead of this one's.
+    """
     flag = _flag(name)
-    value = os.environ.get(name)
+    value = (os.environ if environ is None else environ).get(name)
     return flag.default or "" if value is None else value
 
 
@@ -202,10 +213,10 @@ def _parse(flag: Flag, value: str) -> Any:
     raise AssertionError(f"unknown flag type {flag.type}")
 
 
-def get(name: str) -> Any:
+def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
     """The parsed value of flag ``name`` (raises FlagError on a bad value)."""
     flag = _flag(name)
-    return _parse(flag, raw(name))
+    return _parse(flag, raw(name, environ))
 
 
 def validate_all() -> None:

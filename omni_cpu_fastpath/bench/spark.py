@@ -25,6 +25,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from omni_cpu_fastpath.serving.runtime_libs import preload_env
+
 CONTEXTS = (1024, 4096)
 LAYOUTS = ("hybrid", "full")
 BLOCK = 128  # vLLM's CPU KV-cache block size (tokens)
@@ -83,6 +85,12 @@ class _Server:
         # vLLM would otherwise drop to one torch thread on a 2-core machine: serve with the threads
         # the floor is measured with.
         env["OMP_NUM_THREADS"] = str(threads)
+        # vLLM's automatic binding keeps one CPU for its scheduler, which on 2 cores leaves the
+        # worker one thread: bind the worker to as many CPUs as the floor is measured with.
+        if not env.get("VLLM_CPU_OMP_THREADS_BIND"):
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, sorted(os.sched_getaffinity(0))[:threads]))
+        # The allocator and OpenMP runtime every server of this package starts with.
+        env.update(preload_env(env))
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True

@@ -113,9 +113,22 @@ def cli_serve(args: argparse.Namespace) -> int:
 
     envs.validate_all()
     cmd = serve_command(args.model, args.vllm_args)
+    added = server_env()
+    for name, value in added.items():
+        print(f"omni-cpu-fastpath: {name}={value}", file=sys.stderr, flush=True)
     print("omni-cpu-fastpath: " + " ".join(cmd), file=sys.stderr, flush=True)
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, {**os.environ, **added})
     return 0  # not reached
+
+
+def server_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a server started with ``env`` (default: this process's) gets added: the preloads."""
+    from .runtime_libs import PreloadError, preload_env
+
+    try:
+        return preload_env({**os.environ, **(env or {})})
+    except PreloadError as exc:
+        raise ServingError(str(exc)) from exc
 
 
 # --- a background server -----------------------------------------------------------------------
@@ -216,6 +229,7 @@ def start_server(
     cmd = serve_command(model, [*vllm_args, "--host", LOOPBACK, "--port", str(port)])
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **(env or {})}
+    full_env.update(server_env(full_env))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
