@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 from pathlib import Path
@@ -169,3 +170,25 @@ def test_step_matches_mlx_lm(tiny: dict):
     got = tiny["eager"]
     assert reference.snr_db(mlx, got) >= SNR_F32_DB
     assert torch.equal(mlx.topk(TOP, -1).indices, got.topk(TOP, -1).indices)
+
+
+def test_export_refuses_what_it_cannot_produce_by_name(spark_tiny_dir: Path):  # noqa: F811
+    from omni_cpu_fastpath.spark import program
+
+    with pytest.raises(program.SparkExportError, match="--quant 'int4'"):
+        program.export_program(spark_tiny_dir, 1024, quant="int4")
+    if importlib.util.find_spec("executorch") is None:
+        with pytest.raises(program.SparkExportError, match=r"omni-cpu-fastpath\[executorch\]"):
+            program.export_program(spark_tiny_dir, 1024, fmt="pte")
+
+
+@pytest.mark.slow  # an AOTInductor compile: minutes on 2 cores
+def test_aoti_package_decodes_as_the_eager_step(tiny: dict, tmp_path: Path):
+    from omni_cpu_fastpath.spark import program
+
+    path = program.export_program(tiny["dir"], CONTEXT, "pt2", out=tmp_path / "step.pt2")
+    state = program.load_state(path)
+    got = state.prefill(tiny["ids"][:CONTEXT])
+    eager = tiny["eager"][:CONTEXT]
+    assert reference.snr_db(eager, got) >= SNR_F32_DB
+    assert torch.equal(eager.topk(TOP, -1).indices, got.topk(TOP, -1).indices)
