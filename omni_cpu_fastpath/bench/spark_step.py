@@ -32,8 +32,8 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def random_step(cfg: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> SparkDecodeStep:
     with torch.device("meta"):
-        step = SparkDecodeStep(cfg)
-    step = step.to_empty(device="cpu").to(dtype)
+        step = SparkDecodeStep(cfg).to(dtype)
+    step = step.to_empty(device="cpu")  # allocated once, in the bench dtype
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in step.named_parameters():
