@@ -192,3 +192,20 @@ def test_aoti_package_decodes_as_the_eager_step(tiny: dict, tmp_path: Path):
     eager = tiny["eager"][:CONTEXT]
     assert reference.snr_db(eager, got) >= SNR_F32_DB
     assert torch.equal(eager.topk(TOP, -1).indices, got.topk(TOP, -1).indices)
+
+
+def test_bench_kv_bytes_per_step_at_released_dims():
+    from omni_cpu_fastpath.bench.spark_step import kv_read_bytes
+
+    cfg = config_dict("1.7b")
+    full = ["full_attention"] * cfg["num_hidden_layers"]
+    layouts = {"hybrid": cfg["layer_types"], "all-full": full}
+    mib = {
+        (name, c): kv_read_bytes(cfg, t, c, 2) / 2**20 for name, t in layouts.items() for c in (1024, 4096)
+    }
+    assert mib == {
+        ("hybrid", 1024): 35,
+        ("hybrid", 4096): 77,
+        ("all-full", 1024): 56,
+        ("all-full", 4096): 224,
+    }
