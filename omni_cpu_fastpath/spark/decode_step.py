@@ -130,11 +130,14 @@ class Attention(nn.Module):
         q = apply_rope(q.view(n_kv, group, hd), cos, sin)
         k = apply_rope(k.view(n_kv, 1, hd), cos, sin)
         v = v.view(n_kv, 1, hd)
-        keys = torch.cat([k_past, k], dim=1)  # [kv, L + 1, hd]: the past, then this token
-        values = torch.cat([v_past, v], dim=1)
-        scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(hd)  # [kv, group, L + 1]
-        scores = scores + torch.cat([mask, mask.new_zeros(1)])
-        out = (scores.softmax(-1) @ values.float()).to(x.dtype)  # [kv, group, hd]
+        # The past and this token are scored separately: concatenating them would copy the
+        # whole cache every step.
+        qf = q.float()
+        scores = torch.cat(
+            [qf @ k_past.float().transpose(-1, -2), (qf * k.float()).sum(-1, keepdim=True)], dim=-1
+        ) / math.sqrt(hd)  # [kv, group, L + 1]
+        probs = (scores + torch.cat([mask, mask.new_zeros(1)])).softmax(-1)
+        out = (probs[..., :-1] @ v_past.float() + probs[..., -1:] * v.float()).to(x.dtype)  # [kv, group, hd]
         gate = torch.sigmoid(self.g_proj(x).float()).to(x.dtype)  # [1, heads]
         out = out * gate.view(n_kv, group, 1)
         return self.out_proj(out.reshape(1, n_h * hd)), k[:, 0], v[:, 0]
