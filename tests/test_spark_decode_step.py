@@ -101,10 +101,18 @@ def test_exported_program_equals_eager_step_and_decodes_the_same(tiny: dict):
     with torch.no_grad():
         for eager, exported in zip(tiny["step"](*inputs), program(*inputs), strict=True):
             torch.testing.assert_close(exported, eager, rtol=0, atol=1e-6)
-    prompt, steps = tiny["ids"][:6], 10  # crosses the 16-slot capacity: stays on this program
+    # 6 + 14 positions outgrow the 16-slot program: the state re-exports at the next bucket.
+    prompt, steps = tiny["ids"][:6], 14
     eager_tokens = _state(tiny, tiny["step"]).generate(prompt, steps)
-    state = ds.DecodeState(tiny["cfg"], lambda c: program, context=CONTEXT, buckets=(CONTEXT,))
+    exported: list[int] = []
+
+    def program_for(context: int):
+        exported.append(context)
+        return program if context == CONTEXT else ds.export_step(tiny["step"], context).module()
+
+    state = ds.DecodeState(tiny["cfg"], program_for, context=CONTEXT, buckets=(CONTEXT, 32))
     assert state.generate(prompt, steps) == eager_tokens
+    assert exported == [CONTEXT, 32] and state.caches["k_full"].shape[2] == 32
 
 
 def test_io_names_and_shapes_at_released_dims_on_meta():
