@@ -142,6 +142,46 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_lazy("bench.spark", "cli"))
 
+    b = bench.add_parser(
+        "spark-step", help="ms per exportable Spark decode step, hybrid vs all-full, vs floor"
+    )
+    b.add_argument("--dims", choices=("tiny", "1.7b", "4b"), default="1.7b")
+    b.add_argument("--contexts", default="1024,4096")
+    b.add_argument("--impls", default="eager", help="comma-separated: eager, aoti (compiles per row)")
+    b.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    b.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_lazy("bench.spark_step", "cli"))
+
+    s = sub.add_parser("spark", help="Spark-X2.5 decode step: export a compiled program, generate on it")
+    spark = s.add_subparsers(dest="what", required=True)
+    b = spark.add_parser("export", help="torch.export the one-token decode step, then AOTInductor (pt2)")
+    b.add_argument("model", help="a checkpoint folder (config.json, model.safetensors)")
+    b.add_argument(
+        "--context",
+        type=int,
+        choices=(1024, 4096, 16384),
+        default=1024,
+        help="full layers' cache capacity of this program (sliding layers: the window)",
+    )
+    b.add_argument(
+        "--format",
+        choices=("pt2", "pte"),
+        default="pt2",
+        help="pt2: AOTInductor package; pte: ExecuTorch/XNNPACK (the executorch extra)",
+    )
+    b.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    b.add_argument("--quant", default="none", help="weight quantization (only none so far)")
+    b.add_argument("--all-full", action="store_true", help="every layer full attention (for comparison)")
+    b.add_argument("--out", default=None, help="program file (default: MODEL/spark-step-c<C>-<dtype>.<fmt>)")
+    b.set_defaults(run=_lazy("spark.program", "cli_export"))
+    b = spark.add_parser("generate", help="greedy decoding on an exported program")
+    b.add_argument("--program", required=True, help="a .pt2 / .pte written by spark export")
+    b.add_argument("--prompt-ids", default="0", help="comma-separated token ids")
+    b.add_argument("--steps", type=int, default=16)
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_lazy("spark.program", "cli_generate"))
+
     s = sub.add_parser("serve", help="vllm serve MODEL --omni with CPU-friendly defaults")
     s.add_argument("model")
     s.add_argument("vllm_args", nargs=argparse.REMAINDER)

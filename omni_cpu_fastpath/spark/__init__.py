@@ -4,6 +4,8 @@
 - ``model``: the vLLM model, built from vLLM's own layers.
 - ``tool_parser``: the ``spark25`` tool-call parser.
 - ``plugin``: the ``vllm.general_plugins`` entry point that registers all three.
+- ``decode_step``: one decode step with explicit per-layer-type K/V (``torch.export``-able) and its
+  host-side ``DecodeState``; ``program``: ``spark export`` / ``spark generate`` (AOTInductor).
 
 Random checkpoints in the released layout (``testing/spark_checkpoint.py``) and the plain-PyTorch
 reference written from the released semantics, with mlx-lm beside it
