@@ -64,10 +64,6 @@ class KVCache:
         self.k[i], self.v[i] = k, v
         return k, v
 
-    @property
-    def length(self) -> int:
-        return 0 if not self.k else int(self.k[0].shape[2])
-
 
 def _attention(
     attn: nn.Module, i: int, pos: torch.Tensor, h: torch.Tensor, cache: KVCache | None
@@ -84,7 +80,7 @@ def _attention(
     v = v.reshape(bsz, t, -1, hd).transpose(1, 2)
     past = 0
     if cache is not None:
-        past = cache.length if i not in cache.k else int(cache.k[i].shape[2])
+        past = int(cache.k[i].shape[2]) if i in cache.k else 0
         k, v = cache.append(i, k, v)
     groups = attn.num_heads // attn.num_kv_heads
     k = k.repeat_interleave(groups, dim=1)
