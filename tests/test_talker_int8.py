@@ -133,6 +133,8 @@ def test_both_roads_give_the_talker_stage_the_method(tiny_model_dir, tmp_path, m
     )
     for stage in stages:
         written = stage.yaml_engine_args
+        # The deploy road names the method for the talker stage's engine arguments only.
+        assert written.get("quantization") == (METHOD if stage.model_stage == "qwen3_tts" else None)
         common = dict(
             model=str(tiny_model_dir),
             stage_id=stage.stage_id,
