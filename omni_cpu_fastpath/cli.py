@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("parity", help="int8 variants against fp32, teacher-forced")
     s.add_argument("model")
     s.add_argument("--frames", type=int, default=64)
+    s.add_argument("--talker", action="store_true", help="the talker's int8 decoder linears instead")
+    s.add_argument("--positions", type=int, default=64, help="with --talker: positions per sequence")
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=_lazy("qwen3_tts.parity", "cli_parity"))
 

@@ -53,6 +53,9 @@ class Flag:
 
 # Names of the int8 predictor variants; each is a config class in ``qwen3_tts/quant/configs.py``.
 INT8_VARIANTS = ("off", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel", "w8-bf16head")
+# Schemes of the talker's decoder linears; each is a vLLM quantization method registered by
+# ``qwen3_tts/quant/talker_int8.py`` (names in ``serving/stage_settings.py``).
+TALKER_INT8_SCHEMES = ("off", "w8-channel")
 
 FLAGS: dict[str, Flag] = {
     f.name: f
@@ -88,6 +91,13 @@ FLAGS: dict[str, Flag] = {
             "w8-channel",
             "int8 scheme for the predictor layers; the default was chosen by measured parity and speed.",
             choices=INT8_VARIANTS,
+        ),
+        Flag(
+            "VLLM_OMNI_TALKER_INT8",
+            "choice",
+            "off",
+            "int8 scheme for the talker's decoder linears (vLLM quantization method, talker stage only).",
+            choices=TALKER_INT8_SCHEMES,
         ),
         Flag(
             "VLLM_OMNI_PREDICTOR_THREADS",

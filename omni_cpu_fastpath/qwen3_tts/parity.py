@@ -6,7 +6,8 @@ copy of the predictor, runs it teacher-forced on the codes the served predictor 
 records per sub-step top-1 agreement, top-5 overlap, KL(reference || served) and the largest logit
 difference into ``step_stats`` (``predictor.parity.top1`` ...). Offline: ``omni-cpu-fastpath
 parity MODEL`` (:func:`cli_parity`) runs the same for every int8 variant, with ``bf16`` as a
-control.
+control. ``parity MODEL --talker`` does the same for the talker's int8 decoder linears
+(``qwen3_tts/talker_parity.py``).
 """
 
 from __future__ import annotations
@@ -319,7 +320,11 @@ def default_rule(rows: Sequence[dict[str, Any]]) -> dict[str, bool]:
 
 
 def cli_parity(args: argparse.Namespace) -> int:
-    """``omni-cpu-fastpath parity MODEL [--frames N] [--json]``."""
+    """``omni-cpu-fastpath parity MODEL [--frames N] [--json]``; ``--talker``: the talker's table."""
+    if getattr(args, "talker", False):
+        from .talker_parity import cli_talker_parity
+
+        return cli_talker_parity(args)
     rows = parity_table(args.model, frames=args.frames)
     if args.json:
         print(json.dumps(rows, indent=1))

@@ -14,6 +14,8 @@ when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
   ``predictor.parity.*`` into step_stats.
 - ``--dtype float32`` serves: the stock talker builds its input embeddings in bf16 whatever the
   model's dtype and fails at its first float32 step; this class builds them in the model's dtype.
+- VLLM_OMNI_TALKER_INT8 acts through vLLM's quantization config (``quant/talker_int8.py``); this
+  class records what serves the decoder linears as ``talker.int8``.
 - VLLM_OMNI_CPU_FAST_SAMPLER (CPU only): ``prefer_model_sampler = True`` and ``sample()`` uses
   ``omni_cpu_fastpath.qwen3_tts.sampler.CpuSampler`` (no torch.compile) for codebook 0.
 
@@ -136,6 +138,17 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         self._model_sampler: nn.Module | None = None
         self._sampler_times_itself = False
         self._init_sampler(vllm_config)
+        self._init_talker_int8(vllm_config)
+
+    def _init_talker_int8(self, vllm_config: Any) -> None:
+        # The decoder linears were given their quantization method while the layers were built.
+        quant_config = vllm_config.quant_config
+        if quant_config is None:
+            self._serve("talker.int8", "off")
+            return
+        from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import served_status
+
+        self._serve("talker.int8", served_status(self, quant_config))
 
     def _serve(self, component: str, detail: str) -> None:
         self.served[component] = detail

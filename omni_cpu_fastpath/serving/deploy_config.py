@@ -14,7 +14,14 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .stage_settings import MODEL_RUNNER, QWEN3_TTS_STAGES, StageSettings, cpu_stage_envs, kv_space_from_env
+from .stage_settings import (
+    MODEL_RUNNER,
+    QWEN3_TTS_STAGES,
+    StageSettings,
+    cpu_stage_envs,
+    kv_space_from_env,
+    stage_quantization,
+)
 
 # Part of the written file: bump it when the YAML written for the same inputs changes.
 CPU_DEPLOY_VERSION = 1
@@ -38,6 +45,11 @@ def _stage_overlay(settings: StageSettings, env: dict[str, str]) -> dict[str, An
     stage["async_scheduling"] = settings.async_scheduling
     if settings.dtype is not None:
         stage["dtype"] = settings.dtype
+    quantization = stage_quantization(settings)
+    if quantization is not None:
+        # A stage-level key goes to that stage's engine args only (vllm-omni's top-level
+        # ``quantization`` would apply to every stage).
+        stage["quantization"] = quantization
     if not kv_space_from_env():
         stage["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     if env:

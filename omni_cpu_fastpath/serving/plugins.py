@@ -7,7 +7,9 @@
   (``omni_cpu_fastpath.serving.vllm_platform``), so that a plain ``vllm serve MODEL --omni`` runs.
 - ``register_models`` (group ``vllm_omni.general_plugins``, run in the engine and in every
   worker before model load): registers ``FastQwen3TTSTalker`` under the stock architecture name
-  when VLLM_OMNI_CPU_FASTPATH is on, and puts the stock class back when it is off.
+  when VLLM_OMNI_CPU_FASTPATH is on, and puts the stock class back when it is off; registers the
+  talker's int8 decoder-linear methods with vLLM's ``register_quantization_config``
+  (``omni_cpu_fastpath.qwen3_tts.quant.talker_int8``), which VLLM_OMNI_TALKER_INT8 selects.
 
 Registration goes through vllm-omni's public API (``OmniModelRegistry.register_model``); nothing
 here assigns attributes on vllm or vllm_omni. The CPU deploy config that ``omni-cpu-fastpath
@@ -69,9 +71,15 @@ def cpu_vllm_platform() -> str | None:
 
 
 def register_models() -> None:
-    """Serve the talker architecture by the fast or the stock class, as the flags say. Idempotent."""
+    """Serve the talker architecture by the fast or the stock class, as the flags say, and register
+    the talker's int8 quantization methods with vLLM. Idempotent."""
     envs.validate_all()
     _register_talker(bool(envs.get("VLLM_OMNI_CPU_FASTPATH")))
+    # Before any stage config is built (vLLM checks a stage's quantization name against its
+    # registry then), in every process that builds or loads one.
+    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import register
+
+    register()
 
 
 def _register_talker(fast: bool) -> None:

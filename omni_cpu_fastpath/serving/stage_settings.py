@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from omni_cpu_fastpath import envs
+
 QWEN3_TTS_MODEL_TYPE = "qwen3_tts"
 
 # vllm-omni's qwen3_tts.yaml asks for Model Runner V2, which needs Triton GPU kernels.
@@ -29,6 +31,10 @@ MODEL_RUNNER = "v1"
 # per stage. Also the talker's budget: 4096 frames x 28 layers x 8 kv heads x 128 x 2 (k, v) x 4 B
 # fit in it for the 0.6B talker.
 DEFAULT_OMNI_KV_BYTES = 1 << 30
+
+# VLLM_OMNI_TALKER_INT8 scheme -> the vLLM quantization method ``qwen3_tts/quant/talker_int8.py``
+# registers for it (vLLM lower-cases method names).
+TALKER_INT8_METHODS: dict[str, str] = {"w8-channel": "omni_cpu_talker_w8"}
 
 
 @dataclass(frozen=True)
@@ -55,6 +61,9 @@ class StageSettings:
     # Deploy-config-only (worker environment, set when the stage process starts): True for the
     # stage that gets the spare core of :func:`cpu_stage_envs`, False for the one that gets the rest.
     spare_core: bool = False
+    # Whether VLLM_OMNI_TALKER_INT8 selects this stage's quantization method (its decoder linears).
+    # Deploy config, and the platform hook when the stage's config has no quantization of its own.
+    int8_linears: bool = False
 
 
 QWEN3_TTS_STAGES: tuple[StageSettings, ...] = (
@@ -65,6 +74,7 @@ QWEN3_TTS_STAGES: tuple[StageSettings, ...] = (
         kv_cache_memory_bytes=DEFAULT_OMNI_KV_BYTES,
         max_num_seqs=8,
         max_model_len=4096,
+        int8_linears=True,
     ),
     # code2wav runs once per audio chunk.
     StageSettings(
@@ -91,6 +101,14 @@ def omni_kv_bytes(model_config: Any) -> int:
     """The KV cache budget of an omni stage when the user set none."""
     settings = stage_settings(model_config)
     return DEFAULT_OMNI_KV_BYTES if settings is None else settings.kv_cache_memory_bytes
+
+
+def stage_quantization(settings: StageSettings | None) -> str | None:
+    """The vLLM quantization method VLLM_OMNI_TALKER_INT8 selects for a stage, or None."""
+    if settings is None or not settings.int8_linears:
+        return None
+    scheme = envs.get("VLLM_OMNI_TALKER_INT8")
+    return None if scheme == "off" else TALKER_INT8_METHODS[scheme]
 
 
 def kv_space_from_env() -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm.platforms.cpu import CpuPlatform
 
-from .stage_settings import kv_space_from_env, omni_kv_bytes
+from .stage_settings import kv_space_from_env, omni_kv_bytes, stage_quantization, stage_settings
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -57,6 +57,15 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
         kv_bytes = omni_kv_bytes(model_config)
         cache_config.kv_cache_memory_bytes = kv_bytes
         changes.append(f"KV cache {kv_bytes >> 20} MiB")
+    quantization = stage_quantization(stage_settings(model_config))
+    if quantization is not None and model_config.quantization is None and vllm_config.quant_config is None:
+        # The same method the CPU deploy config names for this stage. vLLM resolved quant_config
+        # before this hook runs, so it is built here (and the name registered, for later checks).
+        from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import register
+
+        model_config.quantization = quantization
+        vllm_config.quant_config = register()[quantization]()
+        changes.append(f"int8 decoder linears ({quantization})")
     return changes
 
 

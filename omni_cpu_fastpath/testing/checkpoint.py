@@ -306,10 +306,35 @@ def outlier_channels(dims: str, seed: int) -> list[int]:
     return sorted(torch.randperm(d.cp_hidden, generator=g)[:OUTLIER_CHANNELS].tolist())
 
 
+def talker_outlier_channels(dims: str, seed: int) -> list[int]:
+    """The talker hidden channels that ``outliers=True`` inflates: the predictor's where both are
+    as wide (the layer-0 table that feeds both carries them), else drawn by seed."""
+    import torch
+
+    d = dims_of(dims)
+    if d.talker_hidden == d.cp_hidden:
+        return outlier_channels(dims, seed)
+    g = _generator(seed, "talker-outlier-channels")
+    return sorted(torch.randperm(d.talker_hidden, generator=g)[:OUTLIER_CHANNELS].tolist())
+
+
+def _apply_talker_outliers(tensors: dict[str, Any], dims: str, seed: int) -> None:
+    d = dims_of(dims)
+    ch = talker_outlier_channels(dims, seed)
+    for name, t in tensors.items():
+        if name.startswith("talker.model.layers.") and name.endswith(
+            ("input_layernorm.weight", "post_attention_layernorm.weight")
+        ):
+            t[ch] *= OUTLIER_NORM_SCALE
+        elif name == "talker.codec_head.weight":
+            t *= PEAKED_HEAD_LOGIT_STD / (0.02 * d.talker_hidden**0.5)
+
+
 def _apply_outliers(tensors: dict[str, Any], dims: str, seed: int) -> None:
-    """Give the predictor trained-transformer-like statistics (see :func:`make_model`)."""
+    """Give the predictor and the talker trained-transformer-like statistics (see :func:`make_model`)."""
     d = dims_of(dims)
     ch = outlier_channels(dims, seed)
+    _apply_talker_outliers(tensors, dims, seed)
     p = "talker.code_predictor"
     for name, t in tensors.items():
         if not name.startswith(p):
@@ -454,7 +479,9 @@ def make_model(
       the talker's layer-0 table; or the rows of ``small_to_mtp_projection`` when it exists) are
       multiplied by ``OUTLIER_EMBED_SCALE``, so the residual stream carries them too;
     - the codebook heads are scaled so their logits have a standard deviation of
-      ``PEAKED_HEAD_LOGIT_STD``: the top-1 probability becomes substantial rather than near-uniform.
+      ``PEAKED_HEAD_LOGIT_STD``: the top-1 probability becomes substantial rather than near-uniform;
+    - the talker likewise: the same RMSNorm weights of every talker layer at
+      :func:`talker_outlier_channels`, and its codec head scaled to the same logit spread.
     """
     import torch
 
@@ -505,6 +532,7 @@ def make_model(
             "outliers": outliers,
             "parts": parts,
             "outlier_channels": outlier_channels(dims, seed) if outliers else [],
+            "talker_outlier_channels": talker_outlier_channels(dims, seed) if outliers else [],
         },  # fmt: skip
     )
     return out
@@ -532,6 +560,7 @@ __all__ = [
     "make_model",
     "outlier_channels",
     "predictor_weight_shapes",
+    "talker_outlier_channels",
     "speech_tokenizer_config",
     "talker_weight_shapes",
 ]

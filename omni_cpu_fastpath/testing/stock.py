@@ -160,16 +160,43 @@ def layer0_embedding(
     raise StockBuildError(f"{model_dir} has no {name} (a parts='predictor' checkpoint without outliers?)")
 
 
-def _build_stock_stage(model_dir: str | Path, model_cls, stage: str, worker: str, dtype, load_format: str):
+def ensure_single_process_world() -> None:
+    """A one-process gloo world and model-parallel groups, as a CPU worker sets them up (once)."""
     import socket
 
-    from vllm.config import DeviceConfig, LoadConfig, VllmConfig
-    from vllm.config.vllm import set_current_vllm_config
     from vllm.distributed import (
         ensure_model_parallel_initialized,
         init_distributed_environment,
         model_parallel_is_initialized,
     )
+
+    if model_parallel_is_initialized():
+        return
+    # On a free port: tests run in parallel.
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        distributed_init_method=f"tcp://127.0.0.1:{port}",
+        backend="gloo",
+    )
+    ensure_model_parallel_initialized(1, 1)
+
+
+def _build_stock_stage(
+    model_dir: str | Path,
+    model_cls,
+    stage: str,
+    worker: str,
+    dtype,
+    load_format: str,
+    quantization: str | None = None,
+):
+    from vllm.config import DeviceConfig, LoadConfig, VllmConfig
+    from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
     from vllm_omni.config.model import OmniModelConfig
@@ -186,6 +213,7 @@ def _build_stock_stage(model_dir: str | Path, model_cls, stage: str, worker: str
         model_stage=stage,
         model_arch=model_cls.__name__,
         worker_type=worker,
+        quantization=quantization,
     )
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -193,19 +221,7 @@ def _build_stock_stage(model_dir: str | Path, model_cls, stage: str, worker: str
         load_config=LoadConfig(load_format=load_format),
     )
     with set_current_vllm_config(vllm_config):
-        if not model_parallel_is_initialized():
-            # A one-process gloo world, as a CPU worker would set up, on a free port (tests run in parallel).
-            with socket.socket() as sock:
-                sock.bind(("127.0.0.1", 0))
-                port = sock.getsockname()[1]
-            init_distributed_environment(
-                world_size=1,
-                rank=0,
-                local_rank=0,
-                distributed_init_method=f"tcp://127.0.0.1:{port}",
-                backend="gloo",
-            )
-            ensure_model_parallel_initialized(1, 1)
+        ensure_single_process_world()
         loader = get_model_loader(vllm_config.load_config)
         with torch.device("cpu"):
             model = model_cls(vllm_config=vllm_config, prefix="")
@@ -215,7 +231,12 @@ def _build_stock_stage(model_dir: str | Path, model_cls, stage: str, worker: str
     return model.eval(), vllm_config
 
 
-def build_stock_talker(model_dir: str | Path, dtype: torch.dtype = torch.float32, load_format: str = "auto"):
+def build_stock_talker(
+    model_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    load_format: str = "auto",
+    quantization: str | None = None,
+):
     """The stock ``Qwen3TTSTalkerForConditionalGeneration`` built on CPU outside an engine.
 
     Steps (see shared notes "Building a tiny talker without downloads"): load vllm-omni's general
@@ -225,7 +246,10 @@ def build_stock_talker(model_dir: str | Path, dtype: torch.dtype = torch.float32
     subclass under the same architecture name); load weights (``load_format="auto"``: vLLM's strict loader
     through the talker's own ``load_weights``, ``"dummy"``: vLLM's random init);
     ``process_weights_after_loading``. The backbone's attention still needs a runner's KV cache,
-    so this is for construction, loading, ``talker_mtp`` and embeddings, not a backbone forward.
+    so this is for construction, loading, ``talker_mtp`` and embeddings, not a backbone forward
+    through vLLM's attention (``qwen3_tts/talker_parity.py`` runs the layers with its own).
+    ``quantization``: a vLLM quantization method name for the model config (e.g. the talker's int8
+    method), resolved through vLLM's registry as a served stage resolves it.
     Returns ``(model, vllm_config)``.
     """
     from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker import (
@@ -233,7 +257,7 @@ def build_stock_talker(model_dir: str | Path, dtype: torch.dtype = torch.float32
     )
 
     return _build_stock_stage(
-        model_dir, Qwen3TTSTalkerForConditionalGeneration, "qwen3_tts", "ar", dtype, load_format
+        model_dir, Qwen3TTSTalkerForConditionalGeneration, "qwen3_tts", "ar", dtype, load_format, quantization
     )
 
 

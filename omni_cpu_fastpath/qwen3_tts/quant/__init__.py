@@ -1,7 +1,9 @@
 """int8 code-predictor layers: ``modules.py`` (the replacement modules and int8 primitives),
 ``configs.py`` (one torchao-style config per ``VLLM_OMNI_PREDICTOR_INT8`` variant), ``apply.py``
 (applying a config through torchao's ``quantize_``, and from the flags). Parity against the
-higher-precision predictor lives in ``qwen3_tts/parity.py``."""
+higher-precision predictor lives in ``qwen3_tts/parity.py``. ``talker_int8.py`` (not imported here:
+it imports vLLM) is the talker's int8 decoder linears as a vLLM quantization method
+(``VLLM_OMNI_TALKER_INT8``)."""
 
 from .apply import (
     BODY_LINEARS,

@@ -1,0 +1,194 @@
+"""int8 weight-only decoder linears of the talker, as a vLLM quantization method.
+
+``VLLM_OMNI_TALKER_INT8=w8-channel`` selects the method ``omni_cpu_talker_w8`` for the talker stage
+(``serving/stage_settings.py``: the CPU deploy config names it for stage 0, the platform hook sets it
+where a stage config has none). It enters through vLLM's public plugin API:
+:func:`register` calls ``register_quantization_config`` (from the ``vllm_omni.general_plugins``
+entry point, which runs in the API server before the stage configs are built, in the engine and in
+every worker), and vLLM's model code asks :meth:`TalkerW8Config.get_quant_method` for each layer.
+
+Only the talker's decoder linears (``model.layers.N.self_attn.{qkv_proj,o_proj}``,
+``model.layers.N.mlp.{gate_up_proj,down_proj}``, vLLM's ``QKVParallelLinear`` /
+``RowParallelLinear`` / ``MergedColumnParallelLinear``) are quantized; every other linear gets
+vLLM's ``UnquantizedLinearMethod``, and embeddings, the codec head and attention get None (their
+unquantized defaults). The code predictor is built from ``nn.Linear`` and has its own int8 path.
+
+Scheme (``w8-channel``): the checkpoint's float weights are loaded as usual, then in
+``process_weights_after_loading`` quantized to symmetric int8 per output channel (scale = row
+max / 127), and each call runs ``aten._weight_int8pack_mm`` with bf16 activations (on AVX2 its fp32
+path is 10-30x slower; bf16 keeps 8 mantissa bits whatever a channel's magnitude), output in the
+activation dtype. Activations are never quantized.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import QuantizationConfig, register_quantization_config
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import set_weight_attrs
+
+from omni_cpu_fastpath.errors import describe
+from omni_cpu_fastpath.serving.stage_settings import TALKER_INT8_METHODS
+
+from .modules import quantize_per_channel
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
+
+W8_METHOD = TALKER_INT8_METHODS["w8-channel"]
+
+# The talker's decoder linears: vLLM's Qwen3Model under the talker's "model" prefix. The code
+# predictor's layers ("code_predictor.model.layers...") are nn.Linear and never reach here.
+_DECODER_LINEAR = re.compile(
+    r"model\.layers\.\d+\.(?:self_attn\.(?:qkv_proj|o_proj)|mlp\.(?:gate_up_proj|down_proj))"
+)
+
+
+def is_talker_decoder_linear(prefix: str) -> bool:
+    """Whether a vLLM layer prefix names one of the talker's decoder linears."""
+    return _DECODER_LINEAR.fullmatch(prefix) is not None
+
+
+class TalkerW8LinearMethod(LinearMethodBase):
+    """Per-output-channel symmetric int8 weights quantized at load, ``_weight_int8pack_mm`` at call.
+
+    ``create_weights`` makes the same float parameter as vLLM's unquantized method (so the layer's
+    own ``weight_loader`` fills its shards); ``process_weights_after_loading`` replaces it with
+    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers.
+    """
+
+    kernel = True
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs: Any,
+    ) -> None:
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        weight = ModelWeightParameter(
+            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=weight_loader,
+        )
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if getattr(layer, "qweight", None) is not None:
+            return  # already quantized (the loader may call this twice)
+        q, s = quantize_per_channel(layer.weight.data)
+        layer.register_buffer("qweight", q)
+        layer.register_buffer("scales", s.to(torch.bfloat16))
+        # The float weight is no longer read; vLLM's CPU unquantized path leaves the same empty stub.
+        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        self.kernel = kernel_status() is None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int8_linear(x, layer.qweight, layer.scales, bias, kernel=self.kernel)
+
+
+def int8_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    kernel: bool = True,
+) -> torch.Tensor:
+    """``x @ (qweight * scales[:, None]).T (+ bias)`` with bf16 activations, out in ``x.dtype``."""
+    n, k = qweight.shape
+    x2 = x.reshape(-1, k).to(torch.bfloat16)
+    if kernel:
+        y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)
+    else:
+        # Where this torch build lacks the kernel: the same arithmetic, dequantizing every call.
+        y = F.linear(x2, qweight.to(torch.bfloat16) * scales[:, None])
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias.to(x.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+_KERNEL_STATUS: list[str | None] = []
+
+
+def kernel_status() -> str | None:
+    """None when ``aten._weight_int8pack_mm`` runs here, else why not (probed once per process)."""
+    if not _KERNEL_STATUS:
+        try:
+            q = torch.ones(32, 32, dtype=torch.int8)
+            torch.ops.aten._weight_int8pack_mm(
+                torch.ones(2, 32, dtype=torch.bfloat16), q, torch.ones(32).bfloat16()
+            )
+            _KERNEL_STATUS.append(None)
+        except Exception as exc:  # noqa: BLE001 - any failure means: dequantize instead
+            why = describe(exc)
+            logger.warning("talker int8: _weight_int8pack_mm unavailable (%s); dequantizing per call", why)
+            _KERNEL_STATUS.append(why)
+    return _KERNEL_STATUS[0]
+
+
+class TalkerW8Config(QuantizationConfig):
+    """``omni_cpu_talker_w8``: the talker's decoder linears in int8 (``TalkerW8LinearMethod``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def get_name(self) -> str:
+        return W8_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0  # no GPU kernel: any device torch's int8 kernel runs on
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # quantized at load from the float checkpoint: no config file to read
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TalkerW8Config:
+        return cls()
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None  # embeddings, the codec head, attention: their unquantized defaults
+        if is_talker_decoder_linear(prefix):
+            return TalkerW8LinearMethod()
+        return UnquantizedLinearMethod()
+
+
+# Method name -> config class, registered with vLLM by :func:`register`.
+CONFIGS: dict[str, type[QuantizationConfig]] = {W8_METHOD: TalkerW8Config}
+
+
+def register() -> dict[str, type[QuantizationConfig]]:
+    """Register every talker int8 method with vLLM (idempotent); returns name -> config class."""
+    for name, cls in CONFIGS.items():
+        register_quantization_config(name)(cls)
+    return CONFIGS
+
+
+def served_status(model: nn.Module, quant_config: Any) -> str:
+    """What serves the talker's decoder linears, for ``step_stats.served`` (``talker.int8``)."""
+    if quant_config is None:
+        return "off"
+    if not isinstance(quant_config, TalkerW8Config):
+        return f"off ({quant_config.get_name()} quantization)"
+    count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
+    why = kernel_status()
+    kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
+    return f"w8-channel ({count} decoder linears, {kernel})"
