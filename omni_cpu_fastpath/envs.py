@@ -113,6 +113,12 @@ FLAGS: dict[str, Flag] = {
             "CpuSampler takes the talker's step through its C kernel when built (0: the numpy path).",
         ),
         Flag(
+            "VLLM_OMNI_CODE2WAV_FAST",
+            "auto-bool",
+            "auto",
+            "code2wav decoder: in-place SnakeBeta and GEMM transposed convolutions (auto: on on CPU).",
+        ),
+        Flag(
             "VLLM_OMNI_SPARK",
             "bool",
             "1",

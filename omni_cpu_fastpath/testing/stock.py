@@ -160,7 +160,16 @@ def layer0_embedding(
     raise StockBuildError(f"{model_dir} has no {name} (a parts='predictor' checkpoint without outliers?)")
 
 
-def _build_stock_stage(model_dir: str | Path, model_cls, stage: str, worker: str, dtype, load_format: str):
+def _build_stock_stage(
+    model_dir: str | Path,
+    model_cls,
+    stage: str,
+    worker: str,
+    dtype,
+    load_format: str,
+    arch: str | None = None,
+):
+    # ``arch``: the architecture name the config declares (a subclass serves under the stock name).
     import socket
 
     from vllm.config import DeviceConfig, LoadConfig, VllmConfig
@@ -184,7 +193,7 @@ def _build_stock_stage(model_dir: str | Path, model_cls, stage: str, worker: str
         max_model_len=4096,
         enforce_eager=True,
         model_stage=stage,
-        model_arch=model_cls.__name__,
+        model_arch=arch or model_cls.__name__,
         worker_type=worker,
     )
     vllm_config = VllmConfig(
