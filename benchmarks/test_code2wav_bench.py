@@ -7,6 +7,8 @@ context). Random codec weights at ``OMNI_BENCH_DIMS`` (default ``0.6b``: the rel
 set ``OMP_NUM_THREADS=1``). Speed is reported, never asserted: each row's ``extra_info`` holds its
 ms per 80 ms frame, the convolution and linear FLOPs per frame, the frames the vocoder ran per
 frame returned, the CPU, and the fast row's speed-up against the stock row of the same session.
+Wall-clock rows mean something only on an idle machine; on a shared one add
+``--benchmark-timer time.process_time``.
 """
 
 from __future__ import annotations
