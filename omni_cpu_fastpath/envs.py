@@ -131,6 +131,12 @@ FLAGS: dict[str, Flag] = {
             choices=("auto", "require", "off"),
         ),
         Flag(
+            "VLLM_OMNI_CODE2WAV_FAST",
+            "auto-bool",
+            "auto",
+            "code2wav decoder: in-place SnakeBeta and GEMM transposed convolutions (auto: on on CPU).",
+        ),
+        Flag(
             "VLLM_OMNI_SPARK",
             "bool",
             "1",

@@ -57,6 +57,7 @@ SCRIPT = textwrap.dedent(
         "vllm_omni.worker.gpu_ar_model_runner", "vllm_omni.worker.gpu_generation_model_runner",
         "vllm_omni.worker.mixins", "vllm_omni.model_executor.models.registry",
         "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker", "vllm_omni.config.pipeline_registry",
+        "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav",
         # What the Spark-X2.5 model and tool parser import.
         "vllm.model_executor.models.registry", "vllm.model_executor.models.utils",
         "vllm.model_executor.models.interfaces", "vllm.model_executor.utils", "vllm.compilation.decorators",
@@ -76,7 +77,7 @@ SCRIPT = textwrap.dedent(
 
     import omni_cpu_fastpath
     from omni_cpu_fastpath import cli, envs, step_stats
-    from omni_cpu_fastpath.qwen3_tts import noise, talker
+    from omni_cpu_fastpath.qwen3_tts import code2wav, noise, talker
     from omni_cpu_fastpath.serving import commands, deploy_config, plugins, stage_settings
     from omni_cpu_fastpath.serving import omni_platform, vllm_platform, worker
 
@@ -88,10 +89,14 @@ SCRIPT = textwrap.dedent(
     from vllm_omni.model_executor.models.registry import OmniModelRegistry
     fast = OmniModelRegistry._try_load_model_cls(plugins.TALKER_ARCH)
     assert fast is talker.FastQwen3TTSTalker, fast
+    fast_c2w = OmniModelRegistry._try_load_model_cls(plugins.CODE2WAV_ARCH)
+    assert fast_c2w is code2wav.FastQwen3TTSCode2Wav, fast_c2w
     os.environ["VLLM_OMNI_CPU_FASTPATH"] = "0"
     plugins.register_models()
     stock = OmniModelRegistry._try_load_model_cls(plugins.TALKER_ARCH)
     assert stock is not talker.FastQwen3TTSTalker and talker.FastQwen3TTSTalker.__mro__[1] is stock, stock
+    stock_c2w = OmniModelRegistry._try_load_model_cls(plugins.CODE2WAV_ARCH)
+    assert code2wav.FastQwen3TTSCode2Wav.__mro__[1] is stock_c2w, stock_c2w
     from vllm.utils.import_utils import resolve_obj_by_qualname
     p = resolve_obj_by_qualname(plugins.cpu_omni_platform())()
     q = resolve_obj_by_qualname(plugins.cpu_vllm_platform())()

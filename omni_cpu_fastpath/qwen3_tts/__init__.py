@@ -1,1 +1,3 @@
-"""Qwen3-TTS on CPU: the fast talker and the parts it swaps in (predictor, sampler, int8, noise)."""
+"""Qwen3-TTS on CPU: the fast talker and the parts it swaps in (predictor, sampler, int8, noise), and
+the fast code2wav stage (``code2wav.py``: the codec decoder, timed, with CPU-friendly activations and
+transposed convolutions)."""

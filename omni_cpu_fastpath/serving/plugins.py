@@ -6,10 +6,11 @@
   vLLM detects its CPU build, vLLM's CPU platform plus the omni-stage config adjustments
   (``omni_cpu_fastpath.serving.vllm_platform``), so that a plain ``vllm serve MODEL --omni`` runs.
 - ``register_models`` (group ``vllm_omni.general_plugins``, run in the engine and in every
-  worker before model load): registers ``FastQwen3TTSTalker`` under the stock architecture name
-  when VLLM_OMNI_CPU_FASTPATH is on, and puts the stock class back when it is off; registers the
-  talker's int8 decoder-linear methods with vLLM's ``register_quantization_config``
-  (``omni_cpu_fastpath.qwen3_tts.quant.talker_int8``), which VLLM_OMNI_TALKER_INT8 selects.
+  worker before model load): registers ``FastQwen3TTSTalker`` and ``FastQwen3TTSCode2Wav`` under
+  the stock architecture names when VLLM_OMNI_CPU_FASTPATH is on, and puts the stock classes back
+  when it is off; registers the talker's int8 decoder-linear methods with vLLM's
+  ``register_quantization_config`` (``omni_cpu_fastpath.qwen3_tts.quant.talker_int8``), which
+  VLLM_OMNI_TALKER_INT8 selects.
 
 Registration goes through vllm-omni's public API (``OmniModelRegistry.register_model``); nothing
 here assigns attributes on vllm or vllm_omni. The CPU deploy config that ``omni-cpu-fastpath
@@ -31,10 +32,14 @@ PLATFORM_QUALNAME = "omni_cpu_fastpath.serving.omni_platform.CpuOmniPlatform"
 VLLM_PLATFORM_QUALNAME = "omni_cpu_fastpath.serving.vllm_platform.CpuVllmPlatform"
 TALKER_ARCH = "Qwen3TTSTalkerForConditionalGeneration"
 FAST_TALKER = "omni_cpu_fastpath.qwen3_tts.talker:FastQwen3TTSTalker"
+CODE2WAV_ARCH = "Qwen3TTSCode2Wav"
+FAST_CODE2WAV = "omni_cpu_fastpath.qwen3_tts.code2wav:FastQwen3TTSCode2Wav"
+# Each architecture we serve, by the class that serves it on the fast path.
+FAST_MODELS = {TALKER_ARCH: FAST_TALKER, CODE2WAV_ARCH: FAST_CODE2WAV}
 
 # What the registry held before we replaced it, so that switching the fast path off in a later
 # call (same process) serves the stock class again.
-_stock_talker_entry: Any = None
+_stock_entries: dict[str, Any] = {}
 
 
 def cpu_omni_platform() -> str | None:
@@ -71,10 +76,12 @@ def cpu_vllm_platform() -> str | None:
 
 
 def register_models() -> None:
-    """Serve the talker architecture by the fast or the stock class, as the flags say, and register
-    the talker's int8 quantization methods with vLLM. Idempotent."""
+    """Serve the talker and code2wav architectures by the fast or the stock classes, as the flags say,
+    and register the talker's int8 quantization methods with vLLM. Idempotent."""
     envs.validate_all()
-    _register_talker(bool(envs.get("VLLM_OMNI_CPU_FASTPATH")))
+    fast = bool(envs.get("VLLM_OMNI_CPU_FASTPATH"))
+    for arch, qualname in FAST_MODELS.items():
+        _register(arch, qualname, fast)
     # Before any stage config is built (vLLM checks a stage's quantization name against its
     # registry then), in every process that builds or loads one.
     from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import register
@@ -82,27 +89,28 @@ def register_models() -> None:
     register()
 
 
-def _register_talker(fast: bool) -> None:
-    global _stock_talker_entry
+def _register(arch: str, fast_qualname: str, fast: bool) -> None:
     from vllm_omni.model_executor.models.registry import OmniModelRegistry
 
-    current = OmniModelRegistry.models.get(TALKER_ARCH)
-    ours = _is_fast_entry(current)
+    current = OmniModelRegistry.models.get(arch)
+    ours = _is_fast_entry(current, fast_qualname)
+    fast_name = fast_qualname.split(":")[1]
     if fast:
         if not ours:
-            _stock_talker_entry = current
-            OmniModelRegistry.register_model(TALKER_ARCH, FAST_TALKER)
-            logger.info("omni-cpu-fastpath: %s served by FastQwen3TTSTalker", TALKER_ARCH)
-    elif ours and _stock_talker_entry is not None:
+            _stock_entries[arch] = current
+            OmniModelRegistry.register_model(arch, fast_qualname)
+            logger.info("omni-cpu-fastpath: %s served by %s", arch, fast_name)
+    elif ours and _stock_entries.get(arch) is not None:
         # Put the stock entry back through the same public API (a "module:class" string).
-        stock = f"{_stock_talker_entry.module_name}:{_stock_talker_entry.class_name}"
-        OmniModelRegistry.register_model(TALKER_ARCH, stock)
-        logger.info("omni-cpu-fastpath: %s back to the stock class (VLLM_OMNI_CPU_FASTPATH off)", TALKER_ARCH)
+        stock_entry = _stock_entries[arch]
+        OmniModelRegistry.register_model(arch, f"{stock_entry.module_name}:{stock_entry.class_name}")
+        logger.info("omni-cpu-fastpath: %s back to the stock class (VLLM_OMNI_CPU_FASTPATH off)", arch)
 
 
-def _is_fast_entry(entry: Any) -> bool:
+def _is_fast_entry(entry: Any, fast_qualname: str) -> bool:
+    module, name = fast_qualname.split(":")
     return (
         entry is not None
-        and getattr(entry, "module_name", None) == FAST_TALKER.split(":")[0]
-        and getattr(entry, "class_name", None) == FAST_TALKER.split(":")[1]
+        and getattr(entry, "module_name", None) == module
+        and getattr(entry, "class_name", None) == name
     )

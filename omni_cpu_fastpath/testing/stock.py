@@ -194,7 +194,9 @@ def _build_stock_stage(
     dtype,
     load_format: str,
     quantization: str | None = None,
+    arch: str | None = None,
 ):
+    # ``arch``: the architecture name the config declares (a subclass serves under the stock name).
     from vllm.config import DeviceConfig, LoadConfig, VllmConfig
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
@@ -211,7 +213,7 @@ def _build_stock_stage(
         max_model_len=4096,
         enforce_eager=True,
         model_stage=stage,
-        model_arch=model_cls.__name__,
+        model_arch=arch or model_cls.__name__,
         worker_type=worker,
         quantization=quantization,
     )

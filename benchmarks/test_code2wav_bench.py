@@ -1,0 +1,158 @@
+"""pytest-benchmark: the code2wav decoder streaming a request as the stage does, stock vs fast.
+
+The stage's async-chunk road: one frame first, then 25-frame chunks, each decoded with the
+request's state (the transformer re-runs its retained window, the vocoder 12 frames of left
+context). Random codec weights at ``OMNI_BENCH_DIMS`` (default ``0.6b``: the released codec;
+``tiny`` for a smoke run), fp32, torch threads capped at 2 (the stage runs 1 on a 2-core machine:
+set ``OMP_NUM_THREADS=1``). Speed is reported, never asserted: each row's ``extra_info`` holds its
+ms per 80 ms frame, the convolution and linear FLOPs per frame, the frames the vocoder ran per
+frame returned, the CPU, and the fast row's speed-up against the stock row of the same session.
+Wall-clock rows mean something only on an idle machine; on a shared one add
+``--benchmark-timer time.process_time``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+import torch
+from conftest import DIMS
+
+CHUNKS = [1, 25, 25, 25, 25]
+FRAMES = sum(CHUNKS)
+
+
+def _decoder(dims: str) -> torch.nn.Module:
+    from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz import (
+        configuration_qwen3_tts_tokenizer_v2 as st_config,
+    )
+    from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz import (
+        modeling_qwen3_tts_tokenizer_v2 as st_model,
+    )
+
+    from omni_cpu_fastpath.testing.checkpoint import speech_tokenizer_config
+
+    cfg = speech_tokenizer_config(dims)
+    config = st_config.Qwen3TTSTokenizerV2Config(
+        **{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")}
+    )
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        decoder = st_model.Qwen3TTSTokenizerV2Decoder._from_config(config.decoder_config).eval()
+        with torch.no_grad():
+            for name, p in decoder.named_parameters():
+                if name.endswith("embedding_sum"):  # module init leaves the codebooks at zero
+                    p.copy_(torch.randn_like(p))
+                elif name.endswith((".alpha", ".beta")):
+                    p.copy_(0.3 * torch.randn_like(p))
+    decoder.precompute_snake_caches()
+    decoder._initial_codec_chunk_frames = CHUNKS[0]
+    decoder._incremental_chunk_frames = CHUNKS[1]
+    return decoder
+
+
+def stream(decoder: torch.nn.Module, codes: torch.Tensor) -> torch.Tensor:
+    state: dict[str, Any] = {"prefix_frames": 0}
+    out, pos = [], 0
+    with torch.inference_mode():
+        for n in CHUNKS:
+            out.append(decoder.batched_chunked_decode(codes[:, :, pos : pos + n], [n], caches=[state])[0])
+            pos += n
+    return torch.cat(out, dim=-1)
+
+
+def count_work(decoder: torch.nn.Module, codes: torch.Tensor) -> tuple[float, float]:
+    """(convolution + linear FLOPs per frame, vocoder frames run per frame returned) of one stream."""
+    from torch import nn
+
+    flops = [0.0]
+    vocoder_frames = [0]
+
+    def conv(m: nn.Conv1d, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        flops[0] += 2.0 * out.numel() * (m.in_channels // m.groups) * m.kernel_size[0]
+
+    def tconv(m: nn.ConvTranspose1d, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        flops[0] += 2.0 * args[0].numel() * m.out_channels * m.kernel_size[0]
+
+    def linear(m: nn.Linear, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        flops[0] += 2.0 * out.numel() * m.in_features
+
+    def frames(m: nn.Module, args: tuple[Any, ...]) -> None:
+        vocoder_frames[0] += int(args[0].shape[0]) * int(args[0].shape[-1])
+
+    hooks = [decoder.upsample[0][0].register_forward_pre_hook(frames)]
+    for m in decoder.modules():
+        if isinstance(m, nn.Conv1d):
+            hooks.append(m.register_forward_hook(conv))
+        elif isinstance(m, nn.ConvTranspose1d):
+            hooks.append(m.register_forward_hook(tconv))
+        elif isinstance(m, nn.Linear):
+            hooks.append(m.register_forward_hook(linear))
+    try:
+        stream(decoder, codes)
+    finally:
+        for h in hooks:
+            h.remove()
+    return flops[0] / FRAMES, vocoder_frames[0] / FRAMES
+
+
+@pytest.fixture(scope="module")
+def code2wav_setup() -> dict[str, Any]:
+    from omni_cpu_fastpath.bench.floor import cpu_name
+    from omni_cpu_fastpath.qwen3_tts.code2wav import make_fast_decoder
+
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    stock = _decoder(DIMS)
+    fast = copy.deepcopy(stock)
+    make_fast_decoder(fast)
+    codes = torch.randint(0, 2048, (1, 16, FRAMES), generator=torch.Generator().manual_seed(0))
+    flops, decoded_per_frame = count_work(stock, codes)
+    return {
+        "stock": stock,
+        "fast": fast,
+        "codes": codes,
+        "flops_per_frame": flops,
+        "decoded_per_frame": decoded_per_frame,
+        "cpu": cpu_name(),
+        "session": {},
+    }
+
+
+def _record(benchmark: Any, setup: dict[str, Any], name: str) -> None:
+    stats = getattr(benchmark, "stats", None)
+    if stats is None:  # --benchmark-disable: nothing was timed
+        return
+    ms = stats.stats.min * 1e3 / FRAMES  # min: the machine is shared
+    setup["session"][name] = ms
+    benchmark.extra_info.update(
+        {
+            "dims": DIMS,
+            "ms_per_frame": ms,
+            "frame_ms": 80.0,
+            "real_time_factor": ms / 80.0,
+            "flops_per_frame": setup["flops_per_frame"],
+            "vocoder_frames_per_frame": setup["decoded_per_frame"],
+            "threads": torch.get_num_threads(),
+            "load_1min": os.getloadavg()[0],
+            "cpu": setup["cpu"],
+        }
+    )
+    if "stock" in setup["session"] and name != "stock":
+        benchmark.extra_info["speedup_vs_stock"] = setup["session"]["stock"] / ms
+
+
+def test_stock_stream(benchmark: Any, code2wav_setup: dict[str, Any]) -> None:
+    wav = benchmark.pedantic(stream, args=(code2wav_setup["stock"], code2wav_setup["codes"]), rounds=3)
+    assert wav.shape == (1, FRAMES * 1920)
+    _record(benchmark, code2wav_setup, "stock")
+
+
+def test_fast_stream(benchmark: Any, code2wav_setup: dict[str, Any]) -> None:
+    wav = benchmark.pedantic(stream, args=(code2wav_setup["fast"], code2wav_setup["codes"]), rounds=3)
+    want = stream(code2wav_setup["stock"], code2wav_setup["codes"])
+    noise = (wav.double() - want.double()).pow(2).sum()
+    assert noise <= want.double().pow(2).sum() * 1e-6  # >= 60 dB SNR
+    _record(benchmark, code2wav_setup, "fast")

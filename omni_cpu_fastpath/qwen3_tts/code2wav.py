@@ -1,0 +1,237 @@
+"""``FastQwen3TTSCode2Wav``: vllm-omni's Qwen3-TTS codec decoder stage (code2wav), measured and faster on CPU.
+
+Registered by ``omni_cpu_fastpath.serving.plugins.register_models`` under the stock architecture name
+``Qwen3TTSCode2Wav`` when VLLM_OMNI_CPU_FASTPATH is on. The stage's request handling (payloads,
+per-request decoder state, chunking) is the stock one; what changes:
+
+- Timers, always: ``code2wav.forward_ms`` per forward call, ``code2wav.frames_decoded`` (codec
+  frames the vocoder convolutions ran over, left context and batch padding included),
+  ``code2wav.frames_emitted`` (frames whose audio the call returns) and
+  ``code2wav.transformer_frames`` (frames through the decoder's transformer), so the work spent on
+  context that is decoded again and thrown away shows as ``frames_decoded / frames_emitted``.
+- VLLM_OMNI_CODE2WAV_FAST (auto: on on CPU), after the weights are loaded, in this instance's
+  decoder only: every ``SnakeBeta`` becomes :class:`InplaceSnakeBeta` (the same operations in the
+  same order, in place: bit-identical, fewer passes over memory) and every causal
+  ``ConvTranspose1d`` whose kernel is a multiple of its stride becomes :class:`GemmCausalTransConv`
+  (one matrix product per kernel phase; fp32 rounding differs from oneDNN's deconvolution, far
+  below audibility). oneDNN's transposed convolutions run well below its forward convolutions'
+  speed on AVX2 cores; the products run at GEMM speed. Parameter names are kept, so loading is
+  unchanged.
+
+What serves is logged at load and recorded with ``step_stats.served("code2wav", ...)``; a part
+that cannot be built leaves the stock module in place, with the reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+from vllm_omni.model_executor.models.common.snake_activation import SnakeBeta
+from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav import Qwen3TTSCode2Wav
+from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
+    Qwen3TTSTokenizerV2CausalTransConvNet,
+)
+
+from omni_cpu_fastpath import envs, step_stats
+from omni_cpu_fastpath.errors import describe
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
+
+FORWARD_MS = "code2wav.forward_ms"
+FRAMES_DECODED = "code2wav.frames_decoded"
+FRAMES_EMITTED = "code2wav.frames_emitted"
+TRANSFORMER_FRAMES = "code2wav.transformer_frames"
+
+
+class InplaceSnakeBeta(SnakeBeta):
+    """``x + inv_beta * sin(x * exp_alpha) ** 2`` with one temporary, updated in place.
+
+    The stock eager path allocates a tensor per operation (five passes over memory); this one
+    runs the same operations in the same order (``pow(t, 2)`` is ``t * t`` in ATen), so the
+    result is bit-identical.
+    """
+
+    @classmethod
+    def from_stock(cls, stock: SnakeBeta) -> InplaceSnakeBeta:
+        new = cls(stock.in_features, alpha_logscale=stock.alpha_logscale)
+        new.alpha, new.beta = stock.alpha, stock.beta  # shared, so loaded values stay
+        new.no_div_by_zero = stock.no_div_by_zero
+        new.precompute_exp_cache()
+        return new
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not self._cached:
+            self.precompute_exp_cache()
+        exp_alpha = self._exp_alpha[:, None]
+        inv_beta = self._inv_beta[:, None]
+        t = hidden_states * exp_alpha
+        t.sin_()
+        t.mul_(t)
+        t.mul_(inv_beta)
+        return t.add_(hidden_states)
+
+
+class GemmCausalTransConv(nn.Module):
+    """A causal ``ConvTranspose1d`` (kernel ``m * stride``, right-trimmed to ``T * stride``) as GEMMs.
+
+    Output sample ``t * s + r`` is ``sum_j W[:, :, j * s + r]^T x[t - j]`` for ``j < m``: one
+    ``(C_out * s, C_in) @ (C_in, T)`` product per ``j`` on the input shifted by ``j``, then one
+    interleave. Keeps the stock module as ``conv`` so the parameter names do not change.
+    """
+
+    def __init__(self, stock: Qwen3TTSTokenizerV2CausalTransConvNet) -> None:
+        super().__init__()
+        conv = stock.conv
+        (stride,) = conv.stride
+        (kernel,) = conv.kernel_size
+        if (
+            kernel % stride
+            or conv.padding != (0,)
+            or conv.output_padding != (0,)
+            or conv.dilation != (1,)
+            or conv.groups != 1
+            or stock.right_pad != kernel - stride
+        ):
+            raise ValueError(f"not a causal transposed convolution with kernel a multiple of stride: {conv}")
+        self.conv = conv
+        self.stride = stride
+        self.taps = kernel // stride
+        self.out_channels = conv.out_channels
+        self.pack()
+
+    def pack(self) -> None:
+        """(Re)build the per-phase weights from ``conv``: call after its weights change."""
+        w = self.conv.weight.detach()  # (C_in, C_out, m * s)
+        c_in, c_out, _ = w.shape
+        s = self.stride
+        # Row co * s + r of phase j is W[:, co, j * s + r].
+        phases = [
+            w[:, :, j * s : (j + 1) * s].permute(1, 2, 0).reshape(c_out * s, c_in) for j in range(self.taps)
+        ]
+        self.register_buffer("_phases", torch.stack(phases).contiguous(), persistent=False)
+        bias = self.conv.bias
+        self.register_buffer(
+            "_bias_rows",
+            None if bias is None else bias.detach().repeat_interleave(s)[:, None].contiguous(),
+            persistent=False,
+        )
+
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        batch, _, length = hidden_state.shape
+        s, c_out = self.stride, self.out_channels
+        out = torch.empty(batch, c_out * s, length, dtype=hidden_state.dtype, device=hidden_state.device)
+        for b in range(batch):
+            x = hidden_state[b]
+            y = out[b]
+            if self._bias_rows is None:
+                torch.mm(self._phases[0], x, out=y)
+            else:
+                torch.addmm(self._bias_rows, self._phases[0], x, out=y)
+            for j in range(1, self.taps):
+                if length > j:
+                    y[:, j:].addmm_(self._phases[j], x[:, : length - j])
+        # (B, C_out, s, T) -> (B, C_out, T, s): sample t * s + r.
+        return out.view(batch, c_out, s, length).transpose(2, 3).reshape(batch, c_out, length * s)
+
+
+def make_fast_decoder(decoder: nn.Module) -> list[str]:
+    """Swap the decoder's SnakeBeta and causal transposed convolutions for the fast modules, in place.
+
+    Returns what was swapped, one entry per kind (``"InplaceSnakeBeta x29"``); a module that
+    cannot be swapped stays stock.
+    """
+    counts: dict[str, int] = {}
+    for parent in list(decoder.modules()):
+        for name, child in list(parent.named_children()):
+            new: nn.Module | None = None
+            if type(child) is SnakeBeta:
+                new = InplaceSnakeBeta.from_stock(child)
+            elif type(child) is Qwen3TTSTokenizerV2CausalTransConvNet:
+                try:
+                    new = GemmCausalTransConv(child)
+                except ValueError as exc:
+                    logger.debug("omni-cpu-fastpath: %s stays stock: %s", name, exc)
+            if new is not None:
+                setattr(parent, name, new)  # our own instance's submodule, through nn.Module
+                counts[type(new).__name__] = counts.get(type(new).__name__, 0) + 1
+    return [f"{kind} x{n}" for kind, n in counts.items()]
+
+
+def _frame_rate_module(decoder: nn.Module) -> nn.Module:
+    """The first module of the vocoder part: its input has one column per codec frame."""
+    upsample = getattr(decoder, "upsample", None)
+    if upsample is not None and len(upsample) > 0:
+        return upsample[0][0]
+    return decoder.decoder[0]
+
+
+class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
+    """The stock code2wav stage, timed, with the fast decoder modules when the flag says."""
+
+    def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
+        envs.validate_all()
+        # Fails here, at start-up, when VLLM_OMNI_STEP_STATS_DIR is not writable.
+        step_stats.configure()
+        super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._on_cpu = torch.device(vllm_config.device_config.device).type == "cpu"
+        self._prepared = False
+        self._frames_decoded = 0
+        self._transformer_frames = 0
+        self.served = ""
+
+    def load_weights(self, weights: Any) -> set[str]:
+        loaded = super().load_weights(weights)
+        self._prepare()
+        return loaded
+
+    def _prepare(self) -> None:
+        if self._prepared:
+            return
+        self._prepared = True
+        if not envs.get("VLLM_OMNI_CODE2WAV_FAST"):
+            served = "stock decoder (VLLM_OMNI_CODE2WAV_FAST off)"
+        elif not self._on_cpu:
+            served = "stock decoder (not on CPU)"
+        else:
+            try:
+                swapped = make_fast_decoder(self.decoder)
+                served = f"fast decoder ({', '.join(swapped) or 'nothing to swap'})"
+            except Exception as exc:  # a part left half-swapped still computes the stock math
+                served = f"stock decoder (make_fast_decoder failed: {describe(exc)})"
+                logger.exception("omni-cpu-fastpath: %s", served)
+        # Hooks on this instance's own modules: the frame counts hold for the stock and fast decoders.
+        _frame_rate_module(self.decoder).register_forward_pre_hook(self._count_decoded)
+        self.decoder.pre_transformer.register_forward_pre_hook(self._count_transformer, with_kwargs=True)
+        self.served = served
+        step_stats.served("code2wav", served)
+        logger.info("omni-cpu-fastpath: FastQwen3TTSCode2Wav serves: %s", served)
+
+    def _count_decoded(self, _module: nn.Module, args: tuple[Any, ...]) -> None:
+        hidden = args[0]
+        self._frames_decoded += int(hidden.shape[0]) * int(hidden.shape[-1])
+
+    def _count_transformer(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        embeds = kwargs.get("inputs_embeds")
+        if embeds is not None:
+            self._transformer_frames += int(embeds.shape[0]) * int(embeds.shape[1])
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # Weights loaded without load_weights (``--load-format dummy``) still get the fast decoder.
+        if not self._prepared:
+            self._prepare()
+        self._frames_decoded = self._transformer_frames = 0
+        with step_stats.timer(FORWARD_MS, sync=True):
+            out = super().forward(*args, **kwargs)
+        if step_stats.enabled():
+            audios = out.multimodal_outputs.get("model_outputs") or []
+            samples = sum(int(a.numel()) for a in audios if isinstance(a, torch.Tensor))
+            step_stats.record(FRAMES_DECODED, self._frames_decoded)
+            step_stats.record(FRAMES_EMITTED, samples // self._total_upsample)
+            step_stats.record(TRANSFORMER_FRAMES, self._transformer_frames)
+        return out
+
+
+__all__ = ["FastQwen3TTSCode2Wav", "GemmCausalTransConv", "InplaceSnakeBeta", "make_fast_decoder"]
