@@ -198,7 +198,10 @@ class Server:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(timeout=30)
-        deadline = time.monotonic() + 15
+        # Stage workers may finish their own shutdown after the API server has exited (longer with
+        # tcmalloc and Intel OpenMP preloaded); only a process still there after this grace is
+        # left behind.
+        deadline = time.monotonic() + 60
         while self._group_alive() and time.monotonic() < deadline:
             time.sleep(0.5)
         if self._group_alive():
