@@ -231,7 +231,9 @@ def bench_impl(
     }
     sr = commands.sample_rate_of(model)
     t0 = time.monotonic()
-    with commands.running_server(str(model), workdir / f"server-{impl}.log", env=env) as server:
+    log = workdir / f"server-{impl}.log"
+    # A 1.7B talker, or a busy machine, takes longer to start than a server test waits.
+    with commands.running_server(str(model), log, env=env, ready_timeout_s=commands.INIT_TIMEOUT_S) as server:
         startup_s = time.monotonic() - t0
         commands.synthesize_streaming(server, TEXT, max_frames=frames, seed=0, sample_rate=sr)  # warm-up
         # Step lines carry the time they ended: the warm-up's steps end before this.
