@@ -171,7 +171,7 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         outer = not self._in_talker_mtp
         self._in_talker_mtp = True
         try:
-            if outer:
+            if outer and decode_req_ids:  # a prefill-only step has no MTP work to time
                 self._timed_call(
                     step_stats.MODEL_TALKER_MTP,
                     super()._talker_mtp_forward,
