@@ -125,19 +125,16 @@ def stage_table(
     return rows
 
 
-def _cell(value: float | None, fmt: str) -> str:
-    return "-" if value is None else format(value, fmt)
+def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "-".rjust(9) if value is None else (format(value, fmt) + suffix).rjust(9)
 
 
 def format_stage_table(rows: list[dict[str, Any]]) -> str:
-    header = f"  {'stage':<24} {'ms/frame':>9} {'of 80 ms':>9} {'floor ms':>9}"
-    out = [header]
+    out = [f"  {'stage':<24} {'ms/frame':>9} {'of 80 ms':>9} {'floor ms':>9}"]
     for r in rows:
         share = None if r["budget_share"] is None else 100 * r["budget_share"]
-        out.append(
-            f"  {r['stage']:<24} {_cell(r['ms_per_frame'], '9.2f')} "
-            f"{_cell(share, '8.1f') + ('%' if share is not None else ''):>9} {_cell(r['floor_ms'], '9.2f')}"
-        )
+        cells = f"{_cell(r['ms_per_frame'], '.2f')} {_cell(share, '.1f', '%')} {_cell(r['floor_ms'], '.2f')}"
+        out.append(f"  {r['stage']:<24} {cells}")
     return "\n".join(out)
 
 
