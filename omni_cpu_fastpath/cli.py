@@ -126,9 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=200)
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_lazy("bench.sampler", "cli"))
-    b = bench.add_parser("serve", help="real-time factor and time to first audio of the served model")
-    b.add_argument("--dims", choices=("tiny", "0.6b"), default="tiny")
-    b.add_argument("--requests", type=int, default=3)
+    b = bench.add_parser(
+        "serve", help="real-time factor, time to first audio and ms per frame of each stage, served"
+    )
+    b.add_argument("--dims", choices=("tiny", "0.6b", "1.7b"), default="tiny")
+    b.add_argument("--requests", type=int, default=3, help="rounds of --concurrency requests")
+    b.add_argument("--concurrency", type=int, default=1, help="streaming requests sent at once")
+    b.add_argument("--impl", default="stock,fast", help="talkers to run: stock, fast or both")
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_lazy("bench.serve", "cli"))
 

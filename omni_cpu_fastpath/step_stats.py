@@ -51,6 +51,8 @@ MODEL_SAMPLE = "model.sample_ms"
 MODEL_TALKER_MTP = "model.talker_mtp_ms"
 PREDICTOR_SUBSTEP = "predictor.substep_ms"
 PREDICTOR_LOOP = "predictor.loop_ms"
+# Talker step wall time outside talker MTP, forward and sampling (the CPU AR runner).
+ENGINE_GAP = "engine.gap_ms"
 
 
 class StepStatsError(RuntimeError):
@@ -291,8 +293,14 @@ def summarize(values: Iterable[float]) -> dict[str, float]:
     }
 
 
-def summarize_dir(directory: str | os.PathLike[str]) -> dict[str, dict[str, float]]:
-    """Summary of every ``*.jsonl`` in a stats folder (all processes pooled), keyed by counter."""
+def summarize_dir(
+    directory: str | os.PathLike[str], since: float | None = None
+) -> dict[str, dict[str, float]]:
+    """Summary of every ``*.jsonl`` in a stats folder (all processes pooled), keyed by counter.
+
+    ``since`` (a ``time.time()``): only the steps that ended at or after it, e.g. to leave out a
+    server's warm-up requests.
+    """
     path = Path(directory)
     if not path.is_dir():
         raise StepStatsError(f"{str(path)!r} is not a folder of step stats")
@@ -306,8 +314,11 @@ def summarize_dir(directory: str | os.PathLike[str]) -> dict[str, dict[str, floa
                 if not line.strip():
                     continue
                 try:
-                    values = json.loads(line)["values"]
-                except (json.JSONDecodeError, KeyError, TypeError) as exc:
+                    entry = json.loads(line)
+                    values = entry["values"]
+                    if since is not None and float(entry["ts"]) < since:
+                        continue
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                     raise StepStatsError(f"{file}:{lineno}: not a step-stats line ({exc})") from exc
                 for name, vals in values.items():
                     pooled.setdefault(name, []).extend(vals)

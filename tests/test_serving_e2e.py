@@ -265,8 +265,22 @@ def test_served_path_records_the_model_timers_and_components(server):
     serving.synthesize(server, "Timers.", max_frames=FRAMES, seed=9)
     stats_dir = Path(server.env["VLLM_OMNI_STEP_STATS_DIR"])
     summary = step_stats.summarize_dir(stats_dir)
-    for name in ("model.forward_ms", "model.sample_ms", "model.talker_mtp_ms", "sampler.draw_ms"):
+    for name in (
+        "model.forward_ms",
+        "model.sample_ms",
+        "model.talker_mtp_ms",
+        "sampler.draw_ms",
+        "engine.gap_ms",
+    ):
         assert summary.get(name, {}).get("count", 0) > 0, (name, sorted(summary))
+    assert summary["engine.gap_ms"]["mean"] > 0.0
+    # One line per engine step: each step that ran the talker forward holds one forward and one
+    # gap; only the start-up dummy runs (one line, before the first step) have a forward alone.
+    lines = [json.loads(x) for f in stats_dir.glob("*.jsonl") if ".codes." not in f.name for x in f.open()]
+    stepped = [ln["values"] for ln in lines if "model.forward_ms" in ln["values"]]
+    with_gap = [v for v in stepped if "engine.gap_ms" in v]
+    assert all(len(v["model.forward_ms"]) == 1 and len(v["engine.gap_ms"]) == 1 for v in with_gap)
+    assert len(stepped) - len(with_gap) <= 1, [v for v in stepped if "engine.gap_ms" not in v][:3]
     # What served, as the talker recorded it and logged it in one line at load.
     (talker,) = [c for c in step_stats.served_dir(stats_dir).values() if "talker" in c["model"].lower()]
     assert talker["model"] == "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -125,3 +126,106 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# --- floors of the served stages, from a checkpoint's config ------------------------------------
+
+BYTES_PER_DTYPE = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "int8": 1.0}
+
+
+def _decoder_layer_params(hidden: int, heads: int, kv_heads: int, head_dim: int, mlp: int) -> int:
+    """Weights of one Qwen3 decoder layer: q/k/v/o, q/k norms, gated MLP, two RMSNorms."""
+    attn = hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + heads * head_dim * hidden
+    return attn + 2 * head_dim + 3 * hidden * mlp + 2 * hidden
+
+
+def talker_params_per_step(config: dict[str, Any]) -> int:
+    """Weights a talker decode step reads (``config.json``): every layer, the final norm, the
+    codec head. Embeddings are gathered rows; the text projection runs once per request."""
+    t = config["talker_config"]
+    hidden = int(t["hidden_size"])
+    layer = _decoder_layer_params(
+        hidden,
+        int(t["num_attention_heads"]),
+        int(t["num_key_value_heads"]),
+        int(t.get("head_dim") or hidden // int(t["num_attention_heads"])),
+        int(t["intermediate_size"]),
+    )
+    return int(t["num_hidden_layers"]) * layer + hidden + int(t["vocab_size"]) * hidden
+
+
+def predictor_params_per_frame(config: dict[str, Any]) -> int:
+    """Weights the code predictor reads per frame (``config.json``), as :func:`params_per_frame`
+    counts them on a module: each of the 15 sub-steps reads every layer, one codebook head and,
+    where the talker is wider than the predictor, the projection between them."""
+    t = config["talker_config"]
+    cp = t["code_predictor_config"]
+    hidden = int(cp["hidden_size"])
+    layer = _decoder_layer_params(
+        hidden,
+        int(cp["num_attention_heads"]),
+        int(cp["num_key_value_heads"]),
+        int(cp.get("head_dim") or hidden // int(cp["num_attention_heads"])),
+        int(cp["intermediate_size"]),
+    )
+    talker_hidden = int(t["hidden_size"])
+    proj = hidden * talker_hidden + hidden if talker_hidden != hidden else 0
+    heads = int(cp.get("num_code_groups") or t["num_code_groups"]) - 1
+    return heads * (int(cp["num_hidden_layers"]) * layer + int(cp["vocab_size"]) * hidden + proj)
+
+
+def code2wav_flops(decoder: dict[str, Any], frames: int = 1) -> float:
+    """FLOPs (2 per multiply-add) of the codec decoder's convolutions and linears for ``frames``
+    12.5 Hz frames, from ``speech_tokenizer/config.json``'s ``decoder_config``.
+
+    The layout is vllm-omni's ``Qwen3TTSTokenizerV2Decoder``: quantizer output projections, a
+    causal pre-conv, a sliding-window transformer, two transposed-conv + ConvNeXt upsamplers, a
+    conv, one transposed conv and three dilated residual units per upsample rate, a last conv.
+    Attention scores and elementwise activations are left out: under 1 % at released sizes.
+    """
+    cb, latent, dd = int(decoder["codebook_dim"]), int(decoder["latent_dim"]), int(decoder["decoder_dim"])
+    h, mlp = int(decoder["hidden_size"]), int(decoder["intermediate_size"])
+    heads, kv, hd = (
+        int(decoder["num_attention_heads"]),
+        int(decoder["num_key_value_heads"]),
+        int(decoder["head_dim"]),
+    )
+    t = frames
+    macs = 2 * (cb // 2) * cb * t  # semantic and acoustic output projections
+    macs += cb * latent * 3 * t  # pre_conv, kernel 3
+    layer = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * mlp
+    macs += (latent * h + int(decoder["num_hidden_layers"]) * layer + h * latent) * t
+    for factor in decoder["upsampling_ratios"]:
+        macs += latent * latent * factor * t  # transposed conv, kernel = stride = factor
+        t *= factor
+        macs += (latent * 7 + 2 * latent * 4 * latent) * t  # ConvNeXt: depthwise 7, two pointwise
+    macs += latent * dd * 7 * t
+    rates = list(decoder["upsample_rates"])
+    for i, rate in enumerate(rates):
+        cin, cout = dd // 2**i, dd // 2 ** (i + 1)
+        macs += cin * cout * 2 * rate * t  # transposed conv, kernel 2 * rate
+        t *= rate
+        macs += 3 * (cout * cout * 7 + cout * cout) * t  # residual units: kernel 7, then 1
+    macs += (dd // 2 ** len(rates)) * 7 * t
+    return 2.0 * macs
+
+
+@dataclass(frozen=True)
+class Peak:
+    best_gflops: float
+    kernel: str
+    per_kernel_gflops: dict[str, float]
+
+
+def measure_fp32_peak(repeats: int = 5) -> Peak:
+    """fp32 GFLOP/s of this process (current torch threads): a square matmul and a codec-like
+    conv1d (384 channels, kernel 7, 640 steps), the best of each; the peak is the better one."""
+    results: dict[str, float] = {}
+    with torch.inference_mode():
+        a, b = torch.rand(1024, 1024), torch.rand(1024, 1024)
+        results["matmul_1024"] = 2 * 1024**3 / _best_time(lambda: a @ b, repeats) / 1e9
+        x, w = torch.rand(1, 384, 646), torch.rand(384, 384, 7)
+        flops = 2 * 384 * 384 * 7 * 640
+        results["conv1d_384x7"] = flops / _best_time(lambda: F.conv1d(x, w), repeats) / 1e9
+    kernel = max(results, key=results.__getitem__)
+    return Peak(best_gflops=results[kernel], kernel=kernel, per_kernel_gflops=results)

@@ -1,15 +1,25 @@
-"""``omni-cpu-fastpath bench serve``: real-time factor and time to first audio of the served model.
+"""``omni-cpu-fastpath bench serve``: real-time factor, time to first audio and where each frame goes.
 
-Both talkers in one run, each behind its own real server on loopback: the stock vllm-omni talker
-(VLLM_OMNI_CPU_FASTPATH=0; the CPU platform still provides the workers, since stock vllm-omni
-has none) and FastQwen3TTSTalker (=1). Each server gets one warm-up request, then ``--requests``
-streaming requests one after another (raw PCM, so the first audio bytes are timed as they
-arrive), every one capped at the same number of frames and seeded, so both talkers synthesize the
-same amount of audio. RTF = wall time / audio seconds (below 1 is faster than real time).
+Both talkers in one run (or one, with ``--impl``), each behind its own real server on loopback:
+the stock vllm-omni talker (VLLM_OMNI_CPU_FASTPATH=0; the CPU platform still provides the
+workers, since stock vllm-omni has none) and FastQwen3TTSTalker (=1). Each server gets one
+warm-up request, then ``--requests`` rounds of ``--concurrency`` streaming requests sent at once
+(raw PCM, so the first audio bytes are timed as they arrive), every one capped at the same number
+of frames and seeded, so both talkers synthesize the same amount of audio. RTF = wall time of the
+rounds / audio seconds of all their requests (below 1 is faster than real time).
 
-``--json`` prints a list of ``{"impl", "rtf", "ttfa_ms", "audio_s", ...}``; the text output adds
-the fast/stock ratios. ``--dims 0.6b`` writes a random checkpoint at the released 0.6B
-dimensions (gigabytes on disk, minutes of start-up per server); CI runs ``tiny`` only.
+Each server records step stats (``VLLM_OMNI_STEP_STATS_DIR``, one folder per talker); the steps
+after the warm-up give the stage table: milliseconds per audio frame of the talker forward, the
+predictor (the talker MTP step, which runs it), codebook-0 sampling, the engine gap (talker step
+time outside those three: scheduling, input preparation, hand-off), and code2wav (its own
+process, beside the talker), each as a share of the 80 ms a frame lasts and beside its floor:
+weight reads at the served dtype over the read bandwidth (talker, predictor; weights are read
+once per step for all rows, so at ``--concurrency N`` the floor per frame is 1/N of a step's),
+codec FLOPs over the fp32 matmul/conv peak (code2wav), both measured in this process first.
+
+``--json`` prints a list of ``{"impl", "rtf", "ttfa_ms", "audio_s", "stages", ...}``; the text
+output adds the fast/stock ratios. ``--dims 0.6b`` / ``1.7b`` write a random checkpoint at the
+released dimensions (gigabytes on disk, minutes of start-up per server); CI runs ``tiny`` only.
 """
 
 from __future__ import annotations
@@ -18,56 +28,304 @@ import argparse
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.serving import commands
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the CPU keeps up with it."
-FRAMES = {"tiny": 48, "0.6b": 48}  # 3.84 s of audio per request
+FRAMES = {"tiny": 48, "0.6b": 48, "1.7b": 48}  # 3.84 s of audio per request
+IMPLS = ("stock", "fast")
+FRAME_MS = 80.0  # one 12.5 Hz frame of audio
+# Stage name, its counter (an absent counter reads "-"), and which floor applies.
+STAGES: tuple[tuple[str, str, str | None], ...] = (
+    ("talker forward", step_stats.MODEL_FORWARD, "talker"),
+    ("predictor (talker MTP)", step_stats.MODEL_TALKER_MTP, "predictor"),
+    ("sampler", step_stats.MODEL_SAMPLE, None),
+    ("engine gap", step_stats.ENGINE_GAP, None),
+    ("code2wav", "code2wav.forward_ms", "code2wav"),
+)
+TALKER_STAGES = 4  # the first four run one after another in the talker process
+# Also reported in the JSON (totals and counts) where a run records them.
+EXTRA_COUNTERS = (step_stats.PREDICTOR_LOOP, "code2wav.frames_decoded", "code2wav.frames_emitted")
 
 
-def bench_impl(model: Path, impl: str, requests: int, frames: int, workdir: Path) -> dict[str, Any]:
-    env = {"VLLM_OMNI_CPU_FASTPATH": "1" if impl == "fast" else "0"}
+class BenchServeError(ValueError):
+    """Bad arguments to ``bench serve``."""
+
+
+def max_concurrency() -> int:
+    """The talker's ``max_num_seqs`` in the CPU deploy config: more requests would wait in a queue."""
+    from omni_cpu_fastpath.serving.stage_settings import QWEN3_TTS_STAGES
+
+    return QWEN3_TTS_STAGES[0].max_num_seqs
+
+
+def check_args(requests: int, concurrency: int, impls: str) -> tuple[str, ...]:
+    """The talkers to run; raises BenchServeError naming the bad argument."""
+    if requests < 1:
+        raise BenchServeError(f"--requests must be at least 1, got {requests}")
+    limit = max_concurrency()
+    if not 1 <= concurrency <= limit:
+        raise BenchServeError(
+            f"--concurrency must be between 1 and {limit} (the talker serves {limit} sequences at "
+            f"once; more would time the queue), got {concurrency}"
+        )
+    chosen = tuple(i.strip() for i in impls.split(",") if i.strip())
+    bad = [i for i in chosen if i not in IMPLS]
+    if bad or not chosen or len(set(chosen)) != len(chosen):
+        raise BenchServeError(f"--impl must list some of {', '.join(IMPLS)} once each, got {impls!r}")
+    return chosen
+
+
+# --- the stage table -------------------------------------------------------------------------------
+
+
+def stage_table(
+    summary: dict[str, dict[str, float]], frames: int, floors: dict[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """Milliseconds per audio frame of each stage from a step-stats summary.
+
+    Every counter is normalised by the same ``frames`` (audio frames the client received): the
+    talker forward runs once per step for all rows, code2wav once per chunk, so per-call means
+    are not per-frame costs. ``floors`` maps the floor keys of :data:`STAGES` to ms per frame.
+    The last row adds up the talker's four stages: its process's wall time per frame.
+    """
+    if frames < 1:
+        raise ValueError(f"frames must be at least 1, got {frames}")
+    floors = floors or {}
+    rows: list[dict[str, Any]] = []
+    for stage, counter, floor_key in STAGES:
+        s = summary.get(counter)
+        ms = s["count"] * s["mean"] / frames if s and s["count"] > 0 else None
+        floor = floors.get(floor_key) if floor_key else None
+        rows.append(
+            {
+                "stage": stage,
+                "counter": counter,
+                "ms_per_frame": ms,
+                "budget_share": None if ms is None else ms / FRAME_MS,
+                "floor_ms": floor,
+            }
+        )
+    talker = [r["ms_per_frame"] for r in rows[:TALKER_STAGES] if r["ms_per_frame"] is not None]
+    total = sum(talker) if talker else None
+    rows.append(
+        {
+            "stage": "talker total",
+            "counter": None,
+            "ms_per_frame": total,
+            "budget_share": None if total is None else total / FRAME_MS,
+            "floor_ms": None,
+        }
+    )
+    return rows
+
+
+def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
+    return "-".rjust(9) if value is None else (format(value, fmt) + suffix).rjust(9)
+
+
+def format_stage_table(rows: list[dict[str, Any]]) -> str:
+    out = [f"  {'stage':<24} {'ms/frame':>9} {'of 80 ms':>9} {'floor ms':>9}"]
+    for r in rows:
+        share = None if r["budget_share"] is None else 100 * r["budget_share"]
+        cells = f"{_cell(r['ms_per_frame'], '.2f')} {_cell(share, '.1f', '%')} {_cell(r['floor_ms'], '.2f')}"
+        out.append(f"  {r['stage']:<24} {cells}")
+    return "\n".join(out)
+
+
+# --- floors ------------------------------------------------------------------------------------
+
+
+def _talker_process(served: dict[str, dict[str, str]], what: str) -> dict[str, str]:
+    for components in served.values():
+        if what in components.get("model", "").lower():
+            return components
+    return {}
+
+
+def stage_floors(
+    model: Path, served: dict[str, dict[str, str]], bandwidth_gbs: float, peak_gflops: float, rows: int
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Floor ms per frame of each stage, and the weight format each floor assumed.
+
+    Weights at the dtype the server recorded (``model.dtype``; the predictor int8 where
+    ``predictor.int8`` names a variant; its few fp32 outlier columns are not counted).
+    """
+    from .floor import (
+        BYTES_PER_DTYPE,
+        code2wav_flops,
+        predictor_params_per_frame,
+        talker_params_per_step,
+    )
+
+    config = json.loads((model / "config.json").read_text())
+    decoder = json.loads((model / "speech_tokenizer" / "config.json").read_text())["decoder_config"]
+    talker = _talker_process(served, "talker")
+    talker_dtype = talker.get("model.dtype", "bfloat16")
+    int8 = talker.get("predictor.int8", "off")
+    predictor_dtype = talker_dtype if int8.startswith("off") else "int8"
+    bytes_per_s = bandwidth_gbs * 1e9
+    floors = {
+        "talker": talker_params_per_step(config) * BYTES_PER_DTYPE[talker_dtype] / bytes_per_s * 1e3 / rows,
+        "predictor": predictor_params_per_frame(config)
+        * BYTES_PER_DTYPE[predictor_dtype]
+        / bytes_per_s
+        * 1e3
+        / rows,
+        "code2wav": code2wav_flops(decoder) / (peak_gflops * 1e9) * 1e3,
+    }
+    formats = {"talker": talker_dtype, "predictor": predictor_dtype, "code2wav": "fp32 FLOPs"}
+    return floors, formats
+
+
+# --- one server --------------------------------------------------------------------------------
+
+
+def _round(
+    server: commands.Server, n: int, frames: int, sr: int, seed: int
+) -> tuple[float, list[commands.Speech]]:
+    """``n`` streaming requests at once; (wall from the first send to the last byte, speeches)."""
+    results: dict[int, commands.Speech] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            results[i] = commands.synthesize_streaming(
+                server, TEXT, max_frames=frames, seed=seed + i, sample_rate=sr
+            )
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, [results[i] for i in range(n)]
+
+
+def samples_per_frame(model: Path) -> int:
+    st = json.loads((model / "speech_tokenizer" / "config.json").read_text())
+    return int(st.get("decode_upsample_rate") or commands.sample_rate_of(model) * 2 // 25)
+
+
+def bench_impl(
+    model: Path, impl: str, requests: int, frames: int, workdir: Path, concurrency: int = 1
+) -> dict[str, Any]:
+    stats_dir = workdir / f"stats-{impl}"
+    env = {
+        "VLLM_OMNI_CPU_FASTPATH": "1" if impl == "fast" else "0",
+        "VLLM_OMNI_STEP_STATS_DIR": str(stats_dir),
+    }
     sr = commands.sample_rate_of(model)
     t0 = time.monotonic()
-    with commands.running_server(str(model), workdir / f"server-{impl}.log", env=env) as server:
+    log = workdir / f"server-{impl}.log"
+    # A 1.7B talker, or a busy machine, takes longer to start than a server test waits.
+    with commands.running_server(str(model), log, env=env, ready_timeout_s=commands.INIT_TIMEOUT_S) as server:
         startup_s = time.monotonic() - t0
         commands.synthesize_streaming(server, TEXT, max_frames=frames, seed=0, sample_rate=sr)  # warm-up
-        runs = [
-            commands.synthesize_streaming(server, TEXT, max_frames=frames, seed=1 + i, sample_rate=sr)
-            for i in range(requests)
-        ]
+        # Step lines carry the time they ended: the warm-up's steps end before this.
+        measured_from = time.time()
+        walls, runs = [], []
+        for r in range(requests):
+            wall, speeches = _round(server, concurrency, frames, sr, seed=1 + r * concurrency)
+            walls.append(wall)
+            runs += speeches
     audio_s = sum(r.audio_s for r in runs)
+    audio_frames = round(sum(r.audio_s for r in runs) * sr / samples_per_frame(model))
+    summary = step_stats.summarize_dir(stats_dir, since=measured_from)
+    ttfas = [r.ttfa_s for r in runs if r.ttfa_s is not None]
     return {
         "impl": impl,
-        "rtf": sum(r.wall_s for r in runs) / audio_s if audio_s > 0 else float("inf"),
-        "ttfa_ms": 1e3 * statistics.median(r.ttfa_s for r in runs if r.ttfa_s is not None),
+        "rtf": sum(walls) / audio_s if audio_s > 0 else float("inf"),
+        "ttfa_ms": 1e3 * statistics.median(ttfas) if ttfas else float("nan"),
         "audio_s": audio_s / len(runs),
         "requests": len(runs),
+        "concurrency": concurrency,
         "startup_s": startup_s,
+        "audio_frames": audio_frames,
+        "stats_dir": str(stats_dir),
+        "summary": summary,
+        "served": step_stats.served_dir(stats_dir),
+    }
+
+
+def _counters(summary: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    names = [c for _, c, _ in STAGES] + list(EXTRA_COUNTERS)
+    return {
+        n: {"count": summary[n]["count"], "total": summary[n]["count"] * summary[n]["mean"]}
+        for n in names
+        if n in summary
     }
 
 
 def cli(args: argparse.Namespace) -> int:
     from omni_cpu_fastpath.testing.checkpoint import make_model
 
-    if args.requests < 1:
-        raise SystemExit("omni-cpu-fastpath bench serve: --requests must be at least 1")
+    from .floor import cpu_name, measure_bandwidth, measure_fp32_peak
+
+    concurrency = int(getattr(args, "concurrency", 1))
+    try:
+        impls = check_args(args.requests, concurrency, getattr(args, "impl", ",".join(IMPLS)))
+    except BenchServeError as exc:
+        raise SystemExit(f"omni-cpu-fastpath bench serve: {exc}") from None
+    # The floors' probes run before any server, on an otherwise idle process.
+    bandwidth, peak = measure_bandwidth(), measure_fp32_peak()
+    cpu = cpu_name()
+    frames = FRAMES[args.dims]
     with tempfile.TemporaryDirectory(prefix="omni-bench-serve-") as tmp:
         work = Path(tmp)
         model = make_model(work / f"model-{args.dims}", dims=args.dims, seed=0)
-        rows = [bench_impl(model, impl, args.requests, FRAMES[args.dims], work) for impl in ("stock", "fast")]
+        rows = [bench_impl(model, impl, args.requests, frames, work, concurrency) for impl in impls]
+        for r in rows:
+            floors, formats = stage_floors(
+                model, r["served"], bandwidth.best_gbs, peak.best_gflops, concurrency
+            )
+            r["stages"] = stage_table(r["summary"], r["audio_frames"], floors)
+            r["floor_formats"] = formats
+            r["counters"] = _counters(r.pop("summary"))
+            r.pop("stats_dir")
+            r.update(
+                cpu=cpu,
+                dims=args.dims,
+                bandwidth_gbs=bandwidth.best_gbs,
+                peak_fp32_gflops=peak.best_gflops,
+                peak_kernel=peak.kernel,
+            )
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    print(f"dims {args.dims}, {args.requests} streaming requests of {FRAMES[args.dims]} frames per talker")
+    print(
+        f"{cpu}; dims {args.dims}; {args.requests} round(s) of {concurrency} streaming request(s) "
+        f"of {frames} frames per talker"
+    )
+    print(
+        f"floors: read bandwidth {bandwidth.best_gbs:.1f} GB/s ({bandwidth.kernel}), fp32 peak "
+        f"{peak.best_gflops:.1f} GFLOP/s ({peak.kernel})"
+    )
     print(f"{'impl':<6} {'rtf':>8} {'ttfa_ms':>10} {'audio_s':>8} {'startup_s':>10}")
     for r in rows:
         cells = f"{r['rtf']:>8.3f} {r['ttfa_ms']:>10.1f} {r['audio_s']:>8.2f} {r['startup_s']:>10.0f}"
         print(f"{r['impl']:<6} {cells}")
-    stock, fast = rows
-    rtf_ratio, ttfa_ratio = fast["rtf"] / stock["rtf"], fast["ttfa_ms"] / stock["ttfa_ms"]
-    print(f"fast/stock: rtf x{rtf_ratio:.3f}, ttfa x{ttfa_ratio:.3f}")
+    for r in rows:
+        fmt = r["floor_formats"]
+        print(
+            f"\n{r['impl']}: ms per audio frame over {r['audio_frames']} frames (floors: talker "
+            f"{fmt['talker']}, predictor {fmt['predictor']} weights; code2wav {fmt['code2wav']}; "
+            "code2wav runs in its own process beside the talker)"
+        )
+        print(format_stage_table(r["stages"]))
+    if len(rows) == 2:
+        stock, fast = rows
+        rtf_ratio, ttfa_ratio = fast["rtf"] / stock["rtf"], fast["ttfa_ms"] / stock["ttfa_ms"]
+        print(f"\nfast/stock: rtf x{rtf_ratio:.3f}, ttfa x{ttfa_ratio:.3f}")
     return 0

@@ -119,6 +119,9 @@ def build_served_predictor(stock: nn.Module, max_batch: int, on_cpu: bool = True
 class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
     """The stock talker plus the KV-cached predictor and the compile-free sampler."""
 
+    # Tells the CPU AR runner that forward, talker MTP and sampling are timed here.
+    records_step_timers = True
+
     def __init__(self, *, vllm_config: Any, prefix: str = "") -> None:
         envs.validate_all()
         # Fails here, at start-up, when VLLM_OMNI_STEP_STATS_DIR is not writable.

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import time
 from typing import Any
 
 import torch
@@ -34,6 +35,8 @@ from vllm_omni.worker.mixins import OmniWorkerMixin
 from omni_cpu_fastpath import envs, step_stats
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
+
+ENGINE_GAP = step_stats.ENGINE_GAP
 
 
 class CpuOmniRunnerError(RuntimeError):
@@ -61,12 +64,26 @@ class _CpuOmniRunnerMixin:
         # vLLM serves a float32 checkpoint in the platform's 16-bit dtype unless --dtype says otherwise.
         step_stats.served("model.dtype", str(self.model_config.dtype).removeprefix("torch."))  # type: ignore[attr-defined]
 
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        # Values recorded outside a step (the start-up dummy runs) close into a line of their
+        # own, so every later line holds exactly one engine step.
+        step_stats.end_step()
+        out = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
+        if out is not None:
+            # An output here means no sample_tokens follows (nothing scheduled, an encoder-only
+            # step): the step ends now, or its values would run into the next step's line.
+            self._end_step()
+        return out
+
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         # execute_model then sample_tokens is one engine step; the step's timers end here.
         try:
             return super().sample_tokens(*args, **kwargs)  # type: ignore[misc]
         finally:
-            step_stats.end_step()
+            self._end_step()
+
+    def _end_step(self) -> None:
+        step_stats.end_step()
 
 
 class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
@@ -78,20 +95,92 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
     """
 
     _in_talker_mtp = False
+    # Step-stats bookkeeping of the engine gap (used only while stats are on):
+    _gap_from: float | None = None  # where this step's uncovered time starts; None outside a step
+    _covered_s = 0.0  # time inside the model calls of this step
+    _ran_forward = False
+    _last_step_end: float | None = None
+    _last_step_reqs: frozenset[str] = frozenset()
+    _model_times_itself = False
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self._cpu_omni_post_init()
 
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        # FastQwen3TTSTalker times its forward, talker MTP and sampling itself; for any other
+        # model (the stock talker) this runner records those timers around the same calls.
+        self._model_times_itself = bool(getattr(self.model, "records_step_timers", False))
+
+    # --- engine gap: step wall time outside the model calls --------------------------------------
+    # A step's gap runs from the end of the previous step (when this step continues one of its
+    # requests; otherwise from this step's start, so idle time between requests is not counted)
+    # to the end of this step, minus the time inside talker MTP, forward and sampling: scheduling,
+    # output hand-off to the next stage, input preparation, logits and output building.
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        if not step_stats.enabled():
+            return super().execute_model(scheduler_output, intermediate_tensors)
+        now = time.perf_counter()
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        continues = self._last_step_end is not None and any(r in self._last_step_reqs for r in scheduled)
+        self._gap_from = self._last_step_end if continues else now
+        self._covered_s = 0.0
+        self._ran_forward = False
+        return super().execute_model(scheduler_output, intermediate_tensors)
+
+    def _end_step(self) -> None:
+        if self._gap_from is not None:
+            now = time.perf_counter()
+            if self._ran_forward:
+                step_stats.record(ENGINE_GAP, (now - self._gap_from - self._covered_s) * 1e3)
+            self._gap_from = None
+            self._last_step_end = now
+            self._last_step_reqs = frozenset(self.input_batch.req_ids)
+        step_stats.end_step()
+
+    def _timed_call(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        # Outside a stats step (stats off, warm-up and profiling runs) the call runs bare.
+        if self._gap_from is None:
+            return fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            elapsed = time.perf_counter() - t0
+            self._covered_s += elapsed
+            if not self._model_times_itself:
+                step_stats.record(name, elapsed * 1e3)
+
+    def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._gap_from is not None:
+            self._ran_forward = True
+        return self._timed_call(step_stats.MODEL_FORWARD, super()._model_forward, *args, **kwargs)
+
+    def _sample(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed_call(step_stats.MODEL_SAMPLE, super()._sample, *args, **kwargs)
+
+    # --- talker MTP ----------------------------------------------------------------------------
+
     def _talker_mtp_forward(
         self, decode_req_ids: list[str], inputs_embeds: torch.Tensor, start_offsets: list[int] | None = None
     ) -> None:
         # The omni runner calls itself once per row when seeded rows cannot share a batch:
-        # record once, after the outermost call, when every row's codes are in place.
+        # time and record once, around the outermost call, when every row's codes are in place.
         outer = not self._in_talker_mtp
         self._in_talker_mtp = True
         try:
-            super()._talker_mtp_forward(decode_req_ids, inputs_embeds, start_offsets)
+            if outer and decode_req_ids:  # a prefill-only step has no MTP work to time
+                self._timed_call(
+                    step_stats.MODEL_TALKER_MTP,
+                    super()._talker_mtp_forward,
+                    decode_req_ids,
+                    inputs_embeds,
+                    start_offsets,
+                )
+            else:
+                super()._talker_mtp_forward(decode_req_ids, inputs_embeds, start_offsets)
         finally:
             if outer:
                 self._in_talker_mtp = False

@@ -1,0 +1,186 @@
+"""``bench serve``'s stage table, its floors and its arguments, without starting a server.
+
+References: step-stats folders written by hand (the arithmetic is done here, from the numbers
+written), torch's own FLOP counter on vllm-omni's codec decoder, and the parameters of vllm-omni's
+stock predictor module. The served side (``engine.gap_ms`` in a real server's folder) is checked in
+``test_serving_e2e.py``, on the server that module already starts.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from omni_cpu_fastpath import step_stats
+from omni_cpu_fastpath.bench import serve
+
+
+def _write_lines(path: Path, pid: int, steps: list[tuple[float, dict[str, list[float]]]]) -> None:
+    with open(path, "w") as fh:
+        for i, (ts, values) in enumerate(steps):
+            fh.write(json.dumps({"pid": pid, "step": i, "ts": ts, "values": values}) + "\n")
+
+
+def test_stage_table_from_hand_built_folders(tmp_path: Path) -> None:
+    # Talker process: a warm-up step before t=100 (left out by since=), a prefill step, two
+    # decode steps of two rows each; code2wav process: two chunks.
+    _write_lines(
+        tmp_path / "11.jsonl",
+        11,
+        [
+            (50.0, {"model.forward_ms": [999.0], "engine.gap_ms": [999.0]}),
+            (101.0, {"model.forward_ms": [12.0], "model.sample_ms": [1.0], "engine.gap_ms": [3.0]}),
+            (
+                102.0,
+                {
+                    "model.talker_mtp_ms": [30.0],
+                    "predictor.loop_ms": [28.0],
+                    "model.forward_ms": [4.0],
+                    "model.sample_ms": [0.5],
+                    "engine.gap_ms": [2.0],
+                },
+            ),
+            (
+                103.0,
+                {
+                    "model.talker_mtp_ms": [34.0],
+                    "predictor.loop_ms": [31.0],
+                    "model.forward_ms": [4.0],
+                    "model.sample_ms": [0.5],
+                    "engine.gap_ms": [5.0],
+                },
+            ),
+        ],
+    )
+    _write_lines(
+        tmp_path / "12.jsonl",
+        12,
+        [
+            (50.5, {"code2wav.forward_ms": [500.0]}),
+            (102.5, {"code2wav.forward_ms": [40.0], "code2wav.frames_emitted": [2.0]}),
+            (103.5, {"code2wav.forward_ms": [56.0], "code2wav.frames_emitted": [2.0]}),
+        ],
+    )
+    (tmp_path / "12.codes.jsonl").write_text("")  # not a step-stats file: skipped
+    summary = step_stats.summarize_dir(tmp_path, since=100.0)
+    assert summary["model.forward_ms"]["count"] == 3  # the warm-up line is out
+    frames = 4
+    rows = serve.stage_table(summary, frames, {"talker": 1.5, "predictor": 2.5, "code2wav": 7.0})
+    by = {r["stage"]: r for r in rows}
+    # Totals over the measured steps, each divided by the 4 frames the client received.
+    expected = {
+        "talker forward": (12 + 4 + 4) / 4,  # 5.0
+        "predictor (talker MTP)": (30 + 34) / 4,  # 16.0
+        "sampler": (1 + 0.5 + 0.5) / 4,  # 0.5
+        "engine gap": (3 + 2 + 5) / 4,  # 2.5
+        "code2wav": (40 + 56) / 4,  # 24.0
+        "talker total": 5.0 + 16.0 + 0.5 + 2.5,
+    }
+    assert [r["stage"] for r in rows] == list(expected)
+    for stage, ms in expected.items():
+        assert by[stage]["ms_per_frame"] == pytest.approx(ms), stage
+        assert by[stage]["budget_share"] == pytest.approx(ms / 80.0), stage
+    assert by["talker forward"]["floor_ms"] == 1.5 and by["predictor (talker MTP)"]["floor_ms"] == 2.5
+    assert by["code2wav"]["floor_ms"] == 7.0
+    assert by["sampler"]["floor_ms"] is None and by["engine gap"]["floor_ms"] is None
+    text = serve.format_stage_table(rows)
+    assert "engine gap" in text and "30.0%" in text  # code2wav: 24 of 80 ms
+
+
+def test_absent_counters_read_as_dash(tmp_path: Path) -> None:
+    # A stock run without the code2wav timer, nor a gap (an older runner).
+    _write_lines(tmp_path / "1.jsonl", 1, [(1.0, {"model.forward_ms": [8.0]})])
+    rows = serve.stage_table(step_stats.summarize_dir(tmp_path), 2)
+    by = {r["stage"]: r for r in rows}
+    assert by["talker forward"]["ms_per_frame"] == pytest.approx(4.0)
+    for stage in ("code2wav", "engine gap", "predictor (talker MTP)", "sampler"):
+        assert by[stage]["ms_per_frame"] is None and by[stage]["budget_share"] is None
+    assert by["talker total"]["ms_per_frame"] == pytest.approx(4.0)
+    assert [line.split()[-3:] for line in serve.format_stage_table(rows).splitlines()[1:]][4] == [
+        "-",
+        "-",
+        "-",
+    ]
+    with pytest.raises(ValueError, match="frames must be at least 1"):
+        serve.stage_table({}, 0)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--concurrency", "0"], "--concurrency must be between 1 and 8"),
+        (["--concurrency", "9"], "--concurrency must be between 1 and 8"),
+        (["--requests", "0"], "--requests must be at least 1"),
+        (["--impl", "stock,turbo"], "--impl must list some of stock, fast"),
+        (["--impl", "fast,fast"], "--impl must list some of stock, fast"),
+    ],
+)
+def test_bad_arguments_are_refused_before_any_work(argv: list[str], message: str) -> None:
+    from omni_cpu_fastpath.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--dims", "tiny", *argv])
+    assert message in str(exc.value), str(exc.value)
+
+
+def test_check_args_accepts_one_talker() -> None:
+    assert serve.check_args(1, 8, "fast") == ("fast",)
+    assert serve.check_args(2, 1, "stock, fast") == ("stock", "fast")
+
+
+def test_code2wav_flops_match_torch_flop_counter() -> None:
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    codec = "vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz"
+    Qwen3TTSTokenizerV2DecoderConfig = importlib.import_module(
+        f"{codec}.configuration_qwen3_tts_tokenizer_v2"
+    ).Qwen3TTSTokenizerV2DecoderConfig
+    Qwen3TTSTokenizerV2Decoder = importlib.import_module(
+        f"{codec}.modeling_qwen3_tts_tokenizer_v2"
+    ).Qwen3TTSTokenizerV2Decoder
+
+    from omni_cpu_fastpath.bench.floor import code2wav_flops
+    from omni_cpu_fastpath.testing.checkpoint import speech_tokenizer_config
+
+    decoder_config = speech_tokenizer_config("tiny")["decoder_config"]
+    config = Qwen3TTSTokenizerV2DecoderConfig(**decoder_config)
+    config._attn_implementation = "sdpa"  # attention as one op, which the formula leaves out
+    decoder = Qwen3TTSTokenizerV2Decoder(config).eval()
+    frames = 6
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        wav = decoder(torch.randint(0, 2048, (1, 16, frames)))
+    assert wav.shape[-1] == frames * 1920
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    convs_and_linears = sum(
+        n for op, n in counts.items() if op in ("aten.convolution", "aten.mm", "aten.addmm")
+    )
+    assert code2wav_flops(decoder_config, frames) == convs_and_linears
+    # Linear in the frame count: the floor per frame does not depend on the chunk.
+    assert code2wav_flops(decoder_config, frames) == pytest.approx(frames * code2wav_flops(decoder_config))
+    released = speech_tokenizer_config("0.6b")["decoder_config"]
+    assert 4e9 < code2wav_flops(released) < 6e9  # the released codec: about 5 GFLOP per frame
+
+
+@pytest.mark.parametrize("dims", ["tiny-proj"])  # the projection counted too
+def test_predictor_params_from_config_match_the_stock_module(make_checkpoint, dims: str) -> None:
+    from omni_cpu_fastpath.bench.floor import params_per_frame, predictor_params_per_frame
+    from omni_cpu_fastpath.testing.stock import build_stock_predictor
+
+    model = make_checkpoint(dims=dims, seed=0, parts="predictor")
+    config = json.loads((model / "config.json").read_text())
+    assert predictor_params_per_frame(config) == params_per_frame(build_stock_predictor(model))
+
+
+def test_talker_params_per_step_by_hand() -> None:
+    from omni_cpu_fastpath.bench.floor import talker_params_per_step
+    from omni_cpu_fastpath.testing.checkpoint import build_config
+
+    # The released 0.6B talker: 28 layers of hidden 1024, 16 heads, 8 kv heads of 128, MLP 3072.
+    layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024
+    assert talker_params_per_step(build_config("0.6b")) == 28 * layer + 1024 + 3072 * 1024
+    assert math.isclose(talker_params_per_step(build_config("1.7b")) / 1e9, 1.41, abs_tol=0.02)
