@@ -50,6 +50,10 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
     (``qwen3_tts/parity.py``) live elsewhere.
     """
 
+    # Tensors built from the config that the compiled step reads as constants: with the
+    # parameters and persistent buffers they key its on-disk compile cache (compile_cache.py).
+    digest_tensors = ("rope_cos", "rope_sin", "mask_table")
+
     def __init__(
         self,
         stock: nn.Module,
