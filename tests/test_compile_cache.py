@@ -95,3 +95,37 @@ def test_warmup_fills_the_cache_and_a_fresh_process_loads_it(tiny_model_dir, tmp
     second = _warmup(tiny_model_dir, cache, "--max-num-seqs", "2")
     assert second["graphs_loaded"] == 4 and second["graphs_compiled"] == 0, second
     assert second["compile_counts"] == {"1": 1, "2": 1}
+
+
+def test_a_no_op_move_keeps_the_compiled_steps(tiny_model_dir, monkeypatch) -> None:
+    """``.to()`` that changes no tensor must not compile every bucket again; a dtype change must."""
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
+
+    pred = CachedCodePredictor.from_stock(build_stock_predictor(tiny_model_dir), compile="step", warmup=False)
+    warmups: list[int] = []
+    monkeypatch.setattr(pred.compiler, "warmup", lambda: warmups.append(1) or True)
+    pred.compiler.steps = {1: object()}  # as after a warm-up
+    pred.to("cpu")
+    pred.to(torch.float32)
+    assert warmups == [] and pred.compiler.steps is not None
+    pred.to(torch.bfloat16)
+    assert warmups == [1]
+
+
+def test_served_buckets_stop_at_max_num_seqs(tiny_model_dir, monkeypatch) -> None:
+    """The talker passes its ``max_num_seqs``: only the buckets a batch can reach are compiled."""
+    from omni_cpu_fastpath.qwen3_tts import talker
+    from omni_cpu_fastpath.qwen3_tts.predictor import compiler
+
+    compiled: list[tuple[int, ...]] = []
+    monkeypatch.setattr(compiler.StepCompiler, "warmup", lambda self: compiled.append(self.buckets) or False)
+    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_COMPILE", "step")
+    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_INCREMENTAL", "1")
+    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_PARITY_CHECK", "1")
+    stock = build_stock_predictor(tiny_model_dir)
+    for max_num_seqs, buckets in ((1, (1,)), (3, (1, 2, 3)), (8, (1, 2, 4, 8))):
+        built = talker.build_served_predictor(copy.deepcopy(stock), max_num_seqs)
+        assert built.predictor.buckets == buckets
+        # The parity reference is an eager copy: it compiles nothing of its own.
+        assert built.checker.reference.compile_mode == "off"
+    assert compiled == [(1,), (1, 2, 3), (1, 2, 4, 8)], "one warm-up per build, after int8 and parity"
