@@ -193,6 +193,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("vllm_args", nargs=argparse.REMAINDER)
     s.set_defaults(run=_lazy("serving.commands", "cli_serve"))
 
+    s = sub.add_parser("warmup", help="compile the predictor step as serve would, into the on-disk cache")
+    s.add_argument("model")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="the talker's (default: serve's)")
+    s.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    s.add_argument("--threads", type=int, default=None, help="torch threads (default: the talker's)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(run=_lazy("qwen3_tts.warmup", "cli_warmup"))
+
     s = sub.add_parser("demo", help="write the tiny model, serve it, synthesize a sentence")
     s.add_argument("--workdir", default=".demo")
     s.add_argument("--text", default="Hello from a CPU. This sentence was synthesized without a GPU.")

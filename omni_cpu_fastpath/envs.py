@@ -86,6 +86,14 @@ FLAGS: dict[str, Flag] = {
             choices=("off", "step"),
         ),
         Flag(
+            "VLLM_OMNI_COMPILE_CACHE_DIR",
+            "path",
+            "",
+            "Inductor cache of the compiled predictor step, kept across restarts "
+            "(empty: TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/omni-cpu-fastpath/inductor).",
+            accepted="a directory path (empty: the default folder)",
+        ),
+        Flag(
             "VLLM_OMNI_PREDICTOR_INT8",
             "choice",
             "w8-channel",

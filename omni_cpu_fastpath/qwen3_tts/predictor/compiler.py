@@ -23,6 +23,8 @@ import torch.nn as nn
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.errors import describe
 
+from . import compile_cache
+
 if TYPE_CHECKING:
     from .model import CachedCodePredictor
 
@@ -115,6 +117,9 @@ class StepCompiler:
         self.seconds: float | None = None
         self.counts: dict[int, int] = {}  # how many times each bucket was compiled
         self.failed: dict[int, str] = {}  # bucket -> why its compiled step was dropped
+        self.cache_dir: str | None = None  # Inductor's cache folder at the last warmup()
+        self.cache_hits = 0  # FX graph cache hits and misses of the last warmup()
+        self.cache_misses = 0
         self.status = "off" if mode == "off" else "step (not compiled yet)"
         self._generation = 0
 
@@ -148,10 +153,40 @@ class StepCompiler:
         eager, with the reason in ``status``): every shape is compiled here, never first at a
         request.
         """
+        from torch._dynamo.utils import counters
+
         t0 = time.perf_counter()
         compiled: dict[int, Any] = {}
+        # Keyed on the weights, computed once for every bucket.
+        cache = compile_cache.cache_options(self.predictor)
+        path = compile_cache.cache_dir()
+        self.cache_dir = str(path) if cache.get("fx_graph_cache") else None
+        hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+        with compile_cache.using_cache_dir(path):
+            ok = self._compile_buckets(compiled, cache)
+        self.cache_hits = counters["inductor"]["fxgraph_cache_hit"] - hits
+        self.cache_misses = counters["inductor"]["fxgraph_cache_miss"] - misses
+        if not ok:
+            return False
+        self.steps = compiled
+        self.seconds = time.perf_counter() - t0
+        self._set_status(
+            f"step (buckets {_csv_ints(self.buckets)}, compiled at load in {self.seconds:.1f} s)"
+        )
+        logger.info(
+            "code predictor: compiled the static step for batch buckets %s in %.1f s "
+            "(compile cache %s: %d graphs loaded, %d compiled)",
+            self.buckets,
+            self.seconds,
+            self.cache_dir or "off",
+            self.cache_hits,
+            self.cache_misses,
+        )
+        return True
+
+    def _compile_buckets(self, compiled: dict[int, Any], cache: dict[str, Any]) -> bool:
         for b in self.buckets:
-            attempts = bucket_compile_options(self.options, b)
+            attempts = [{**o, **cache} for o in bucket_compile_options(self.options, b)]
             for i, options in enumerate(attempts):
                 try:
                     compiled[b] = self._compile_bucket(b, options)
@@ -171,16 +206,6 @@ class StepCompiler:
                     self.mode = "off"
                     self._set_status(f"eager (torch.compile failed at load: {describe(exc)})")
                     return False
-        self.steps = compiled
-        self.seconds = time.perf_counter() - t0
-        self._set_status(
-            f"step (buckets {_csv_ints(self.buckets)}, compiled at load in {self.seconds:.1f} s)"
-        )
-        logger.info(
-            "code predictor: compiled the static step for batch buckets %s in %.1f s",
-            self.buckets,
-            self.seconds,
-        )
         return True
 
     def drop(self, bucket: int, exc: Exception) -> None:

@@ -50,6 +50,10 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
     (``qwen3_tts/parity.py``) live elsewhere.
     """
 
+    # Tensors built from the config that the compiled step reads as constants: with the
+    # parameters and persistent buffers they key its on-disk compile cache (compile_cache.py).
+    digest_tensors = ("rope_cos", "rope_sin", "mask_table")
+
     def __init__(
         self,
         stock: nn.Module,
@@ -136,11 +140,17 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> CachedCodePredictor:
         # ``.to(dtype)`` replaces parameter storage: re-share the stacked tables afterwards, and
-        # recompile (with compile=step) since the graphs froze the old weights.
+        # recompile (with compile=step) since the graphs froze the old weights. A call that moved
+        # nothing (``.to("cpu")`` on CPU) keeps the compiled steps: compiling them again would
+        # cost a second warm-up.
+        before = self._storage_ids()
         super()._apply(fn, recurse)
-        if hasattr(self, "heads"):
+        if hasattr(self, "heads") and self._storage_ids() != before:
             self.refresh()
         return self
+
+    def _storage_ids(self) -> list[tuple[str, int, torch.dtype]]:
+        return [(n, t.data_ptr(), t.dtype) for n, t in [*self.named_parameters(), *self.named_buffers()]]
 
     # ------------------------------------------------------------------ compile (see compiler.py)
 

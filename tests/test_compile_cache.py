@@ -1,0 +1,133 @@
+"""The compiled predictor step's on-disk cache and ``omni-cpu-fastpath warmup``.
+
+- The cache key holds the weights (``compile_cache.weights_digest``): with freezing, Inductor's
+  FX graph cache keys frozen weights by shape only while the entry stores constants derived from
+  them, so without the digest a second checkpoint of the same shapes would be served the first
+  one's weights.
+- ``warmup`` fills the cache folder, and a fresh process building the same predictor loads every
+  graph from it instead of compiling.
+- The served build compiles each reachable bucket once, the parity copy none.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from omni_cpu_fastpath.testing.stock import build_stock_predictor
+
+
+def _cached(stock: torch.nn.Module):
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
+
+    return CachedCodePredictor.from_stock(copy.deepcopy(stock), warmup=False)
+
+
+def test_digest_follows_the_weights(tiny_model_dir, make_checkpoint) -> None:
+    from omni_cpu_fastpath.qwen3_tts import quant
+    from omni_cpu_fastpath.qwen3_tts.predictor.compile_cache import WeightsKey, cache_options, weights_digest
+
+    stock = build_stock_predictor(tiny_model_dir)
+    a = weights_digest(_cached(stock))
+    assert a == weights_digest(_cached(stock)), "the same weights must give the same key"
+    other = build_stock_predictor(make_checkpoint(dims="tiny", seed=1))
+    assert weights_digest(_cached(other)) != a, "another checkpoint of the same shapes must not share it"
+    pred = _cached(stock)
+    quant.quantize_predictor(pred, "w8-channel", compile="step")
+    assert weights_digest(pred) != a
+    opts = cache_options(pred)
+    assert opts["fx_graph_cache"] is True and isinstance(opts["post_grad_custom_post_pass"], WeightsKey)
+    assert weights_digest(pred) in opts["post_grad_custom_post_pass"].uuid()
+
+
+def test_cache_dir_flag(monkeypatch, tmp_path) -> None:
+    from omni_cpu_fastpath.qwen3_tts.predictor import compile_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("VLLM_OMNI_COMPILE_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert compile_cache.cache_dir() == tmp_path / "xdg" / "omni-cpu-fastpath" / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch"))
+    assert compile_cache.cache_dir() == tmp_path / "torch"
+    monkeypatch.setenv("VLLM_OMNI_COMPILE_CACHE_DIR", str(tmp_path / "ours"))
+    assert compile_cache.cache_dir() == tmp_path / "ours"
+    # Set only around our compiles: the process's own value comes back.
+    with compile_cache.using_cache_dir(tmp_path / "ours"):
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ours")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "torch")
+
+
+# Freezing as served (the cache path under test) without max-autotune, whose benchmarking takes
+# minutes per bucket on a 2-core machine.
+_FAST = (
+    "from omni_cpu_fastpath.qwen3_tts.predictor import compiler; "
+    "compiler.INDUCTOR_OPTIONS['max_autotune'] = False"
+)
+
+
+def _warmup(model: Path, cache: Path, *extra: str) -> dict:
+    env = {**os.environ, "VLLM_OMNI_COMPILE_CACHE_DIR": str(cache), "VLLM_OMNI_PREDICTOR_PARITY_CHECK": "1"}
+    code = f"{_FAST}; import sys; from omni_cpu_fastpath.cli import main; sys.exit(main(sys.argv[1:]))"
+    args = [sys.executable, "-c", code, "warmup", str(model), "--json", "--threads", "2", *extra]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-4000:]
+    return json.loads(out.stdout)
+
+
+@pytest.mark.slow
+def test_warmup_fills_the_cache_and_a_fresh_process_loads_it(tiny_model_dir, tmp_path) -> None:
+    cache = tmp_path / "inductor"
+    # One bucket (max_num_seqs 1) keeps it short; the bucket cap is tested without compiling.
+    first = _warmup(tiny_model_dir, cache, "--max-num-seqs", "1")
+    # Compiled once, around the int8 weights; the parity copy is eager and compiles nothing.
+    assert first["buckets"] == [1] and first["compile_counts"] == {"1": 1}, first
+    assert first["served"]["predictor.parity"].startswith("on"), first["served"]
+    assert first["cache_dir"] == str(cache)
+    # Two graphs per bucket: the 2-token prefill and the 1-token sub-step.
+    assert first["graphs_compiled"] == 2 and first["graphs_loaded"] == 0, first
+    assert any((cache / "fxgraph").rglob("*")), "warmup wrote nothing to the cache folder"
+
+    second = _warmup(tiny_model_dir, cache, "--max-num-seqs", "1")
+    assert second["graphs_loaded"] == 2 and second["graphs_compiled"] == 0, second
+    assert second["compile_counts"] == {"1": 1}
+
+
+def test_a_no_op_move_keeps_the_compiled_steps(tiny_model_dir, monkeypatch) -> None:
+    """``.to()`` that changes no tensor must not compile every bucket again; a dtype change must."""
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
+
+    pred = CachedCodePredictor.from_stock(build_stock_predictor(tiny_model_dir), compile="step", warmup=False)
+    warmups: list[int] = []
+    monkeypatch.setattr(pred.compiler, "warmup", lambda: warmups.append(1) or True)
+    pred.compiler.steps = {1: object()}  # as after a warm-up
+    pred.to("cpu")
+    pred.to(torch.float32)
+    assert warmups == [] and pred.compiler.steps is not None
+    pred.to(torch.bfloat16)
+    assert warmups == [1]
+
+
+def test_served_buckets_stop_at_max_num_seqs(tiny_model_dir, monkeypatch) -> None:
+    """The talker passes its ``max_num_seqs``: only the buckets a batch can reach are compiled."""
+    from omni_cpu_fastpath.qwen3_tts import talker
+    from omni_cpu_fastpath.qwen3_tts.predictor import compiler
+
+    compiled: list[tuple[int, ...]] = []
+    monkeypatch.setattr(compiler.StepCompiler, "warmup", lambda self: compiled.append(self.buckets) or False)
+    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_COMPILE", "step")
+    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_INCREMENTAL", "1")
+    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_PARITY_CHECK", "1")
+    stock = build_stock_predictor(tiny_model_dir)
+    for max_num_seqs, buckets in ((1, (1,)), (3, (1, 2, 3)), (8, (1, 2, 4, 8))):
+        built = talker.build_served_predictor(copy.deepcopy(stock), max_num_seqs)
+        assert built.predictor.buckets == buckets
+        # The parity reference is an eager copy: it compiles nothing of its own.
+        assert built.checker.reference.compile_mode == "off"
+    assert compiled == [(1,), (1, 2, 3), (1, 2, 4, 8)], "one warm-up per build, after int8 and parity"
