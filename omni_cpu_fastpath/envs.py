@@ -141,7 +141,7 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "VLLM_OMNI_CODE2WAV_FAST",
             "auto-bool",
-            "auto",
+            "0",
             "code2wav decoder: in-place SnakeBeta and GEMM transposed convolutions (auto: on on CPU).",
         ),
         Flag(

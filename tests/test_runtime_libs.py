@@ -49,6 +49,13 @@ def test_a_library_the_user_preloads_is_not_added_twice(monkeypatch, tmp_path):
     assert runtime_libs.preload_env({"LD_PRELOAD": "/x/libtcmalloc.so:/y/libiomp5.so"}, tc, io) == {}
 
 
+def test_intel_openmp_is_not_added_beside_another_openmp_runtime(monkeypatch, tmp_path):
+    monkeypatch.delenv("VLLM_OMNI_CPU_PRELOAD", raising=False)
+    tc, io = tmp_path / "libtcmalloc_minimal.so.4", tmp_path / "libiomp5.so"
+    for runtime in ("/t/lib/libgomp.so.1", "/x/libomp.so"):
+        assert runtime_libs.preload_env({"LD_PRELOAD": runtime}, tc, io) == {"LD_PRELOAD": f"{tc}:{runtime}"}
+
+
 def test_auto_preloads_what_is_installed_and_skips_what_is_not(monkeypatch, tmp_path):
     monkeypatch.delenv("VLLM_OMNI_CPU_PRELOAD", raising=False)
     io = tmp_path / "libiomp5.so"

