@@ -329,13 +329,18 @@ def cli_parity(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
+    print_parity_rows(rows, "variant")
+    print(f"({rows[0]['frames']} frames teacher-forced against fp32, codes sampled by fp32)")
+    return 0
+
+
+def print_parity_rows(rows: list[dict[str, Any]], first_column: str) -> None:
+    """A parity table as text, each quantized row marked by the default rule's verdict."""
     ok = default_rule(rows)
-    print(f"{'variant':<12} {'top1':>7} {'top5':>7} {'kl':>10} {'max_diff':>9}  bound (vs bf16)")
+    print(f"{first_column:<12} {'top1':>7} {'top5':>7} {'kl':>10} {'max_diff':>9}  bound (vs bf16)")
     for r in rows:
         mark = "" if r["variant"] == "bf16" else ("ok" if ok[r["variant"]] else "outside")
         print(
             f"{r['variant']:<12} {r['top1']:>7.4f} {r['top5']:>7.4f} {r['kl']:>10.3e} "
             f"{r['max_logit_diff']:>9.4f}  {mark}"
         )
-    print(f"({rows[0]['frames']} frames teacher-forced against fp32, codes sampled by fp32)")
-    return 0

@@ -228,19 +228,12 @@ def weight_bytes(talker: nn.Module) -> int:
 
 def cli_talker_parity(args: argparse.Namespace) -> int:
     """``omni-cpu-fastpath parity MODEL --talker [--positions N] [--json]``."""
-    from .parity import default_rule
+    from .parity import print_parity_rows
 
     rows = talker_parity_table(args.model, positions=args.positions)
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
-    ok = default_rule(rows)
-    print(f"{'talker':<12} {'top1':>7} {'top5':>7} {'kl':>10} {'max_diff':>9}  bound (vs bf16)")
-    for r in rows:
-        mark = "" if r["variant"] == "bf16" else ("ok" if ok[r["variant"]] else "outside")
-        print(
-            f"{r['variant']:<12} {r['top1']:>7.4f} {r['top5']:>7.4f} {r['kl']:>10.3e} "
-            f"{r['max_logit_diff']:>9.4f}  {mark}"
-        )
+    print_parity_rows(rows, "talker")
     print(f"({rows[0]['positions']} positions teacher-forced against the fp32 talker, codec-0 logits)")
     return 0
