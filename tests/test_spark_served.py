@@ -4,8 +4,10 @@ One server (module scope) for every test: the tiny random checkpoint in fp32, ea
 ``--enable-auto-tool-choice --tool-call-parser spark25``. A random model does not choose to call
 tools, so the chat tests constrain its output with a regex (vLLM's structured outputs) to the
 tagged call format; what is checked is the way back: the served parser turning that text into
-OpenAI ``tool_calls`` with the schema's JSON types, streaming and not. Completions are checked
-token for token against the plain-torch reference.
+OpenAI ``tool_calls`` with the schema's JSON types, streaming and not. A named ``tool_choice``
+constrains the output to the tool's JSON schema instead (compact JSON, so that a random model ends
+it); the test's tool has only enumerated values. Completions are checked token for token against
+the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -94,6 +96,7 @@ def server(spark_tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         vllm, "serve", str(spark_tiny_dir), "--served-model-name", MODEL, "--host", "127.0.0.1",
         "--port", str(port), "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "4",
         "--enforce-eager", "--enable-auto-tool-choice", "--tool-call-parser", "spark25",
+        "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}',
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -166,6 +169,50 @@ def test_streamed_chat_returns_the_same_tool_call(server: Server):
         finish = chunk.choices[0].finish_reason or finish
     assert finish == "tool_calls" and len(ids) == 1
     assert _check_call(name, arguments) == json.loads(whole.function.arguments)
+
+
+ENUM_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "description": "Time in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "enum": ["oslo", "rome"]},
+                "hour": {"type": "integer", "enum": [1, 2, 3]},
+            },
+            "required": ["city", "hour"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_named_tool_choice_returns_that_tool_call_streaming_and_not(server: Server):
+    client = _client(server)
+    args = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What time is it in Rome?"}],
+        "tools": [*TOOLS, ENUM_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+        "temperature": 0.0,
+        "max_tokens": 64,
+    }
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "stop", choice  # OpenAI's reason for a named tool choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_time" and call.id
+    called = json.loads(call.function.arguments)
+    assert set(called) == {"city", "hour"}
+    assert called["city"] in ("oslo", "rome") and called["hour"] in (1, 2, 3)
+    assert not (choice.message.content or "").strip()
+    name, arguments = "", ""
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            name += tc.function.name or ""
+            arguments += tc.function.arguments or ""
+    assert name == "get_time" and json.loads(arguments) == called
 
 
 def test_completions_equal_the_reference_and_streaming_equals_whole(server: Server, spark_tiny_dir: Path):  # noqa: F811

@@ -97,8 +97,9 @@ def parse_call(body: str, tools: Sequence[Any] | None) -> tuple[str, dict[str, A
 class Spark25ToolParser(ToolParser):
     """OpenAI ``tool_calls`` from Spark-X2.5's tagged format, streaming and not."""
 
-    # Forced tool choice uses JSON-guided output, which this format is not.
-    supports_required_and_named = False
+    # A named or "required" tool choice constrains the output to vLLM's JSON schema of the tools,
+    # so vLLM's own JSON parsing reads it; this parser reads the model's own format under "auto".
+    supports_required_and_named = True
 
     def __init__(self, tokenizer: TokenizerLike, tools: list[Tool] | None = None) -> None:
         super().__init__(tokenizer, tools)
