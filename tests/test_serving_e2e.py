@@ -128,16 +128,34 @@ def test_twelve_concurrent_requests_queue_and_each_equals_its_solo_run(server, t
     assert sorted(map(repr, alone_codes)) == sorted(map(repr, concurrent_codes))
 
 
+def _stats_lines(server: serving.Server) -> list[dict]:
+    stats_dir = Path(server.env["VLLM_OMNI_STEP_STATS_DIR"])
+    return [json.loads(x) for f in stats_dir.glob("*.jsonl") if ".codes." not in f.name for x in f.open()]
+
+
 def test_streaming_request_returns_audio_early(server, tiny_model_dir):
+    sent_from = time.time()
     speech = serving.synthesize_streaming(
         server,
         "Streaming output.",
-        max_frames=FRAMES,
+        max_frames=2 * FRAMES,  # room for a 1-frame chunk and a 25-frame chunk before the end
         seed=5,
         sample_rate=serving.sample_rate_of(tiny_model_dir),
     )
     assert speech.ttfa_s is not None and 0 < speech.ttfa_s <= speech.wall_s
     assert speech.audio_s > 0
+    # What the API server sent, and when (serving/stream_timing.py), against the talker's steps
+    # of the same request: the first audio left the server in more than one body chunk, before
+    # the talker's last step. (The client's own reading time is not asserted: on a small busy
+    # machine the client process can wait seconds for a core after the audio was sent.)
+    lines = [ln for ln in _stats_lines(server) if ln["ts"] >= sent_from]
+    (response,) = [ln for ln in lines if "http.first_body_ms" in ln["values"]]
+    values = {k: v[0] for k, v in response["values"].items()}
+    assert values["http.body_chunks"] > 1, values
+    first_audio_at = response["ts"] - (values["http.response_ms"] - values["http.first_body_ms"]) / 1e3
+    talker_steps = [ln["ts"] for ln in lines if "model.forward_ms" in ln["values"]]
+    assert talker_steps, [sorted(ln["values"]) for ln in lines]
+    assert first_audio_at < max(talker_steps), (first_audio_at - sent_from, max(talker_steps) - sent_from)
 
 
 @pytest.mark.parametrize(
@@ -277,7 +295,7 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert summary["engine.gap_ms"]["mean"] > 0.0
     # One line per engine step: each step that ran the talker forward holds one forward and one
     # gap; only the start-up dummy runs (one line, before the first step) have a forward alone.
-    lines = [json.loads(x) for f in stats_dir.glob("*.jsonl") if ".codes." not in f.name for x in f.open()]
+    lines = _stats_lines(server)
     stepped = [ln["values"] for ln in lines if "model.forward_ms" in ln["values"]]
     with_gap = [v for v in stepped if "engine.gap_ms" in v]
     assert all(len(v["model.forward_ms"]) == 1 and len(v["engine.gap_ms"]) == 1 for v in with_gap)

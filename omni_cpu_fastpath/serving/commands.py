@@ -13,6 +13,8 @@ defaults, each of which an argument or variable given by the user overrides:
 - ``--host 127.0.0.1`` (loopback only unless asked otherwise);
 - ``--middleware omni_cpu_fastpath.serving.http_status.InputTooLongIs400``: a too-long input is answered
   with a 400 (vllm-omni answers 500);
+- ``--middleware omni_cpu_fastpath.serving.stream_timing.SpeechResponseTimes``: with step stats on,
+  when each speech response's first bytes and last bytes left the API server;
 - ``--stage-init-timeout`` and ``--init-timeout`` of an hour: a stage that compiles its predictor
   at load takes minutes on a few cores.
 
@@ -43,7 +45,10 @@ from pathlib import Path
 from typing import Any
 
 LOOPBACK = "127.0.0.1"
-MIDDLEWARE = "omni_cpu_fastpath.serving.http_status.InputTooLongIs400"
+MIDDLEWARES = (
+    "omni_cpu_fastpath.serving.http_status.InputTooLongIs400",
+    "omni_cpu_fastpath.serving.stream_timing.SpeechResponseTimes",
+)
 INIT_TIMEOUT_S = 3600
 DEMO_VOICE = "vivian"
 # A random checkpoint rarely samples the end-of-speech code, so every request caps its frames
@@ -93,7 +98,8 @@ def serve_command(model: str, vllm_args: Sequence[str] = ()) -> list[str]:
     for option in ("--stage-init-timeout", "--init-timeout"):
         if not _has_option(args, option):
             cmd += [option, str(INIT_TIMEOUT_S)]
-    cmd += ["--middleware", MIDDLEWARE]
+    for middleware in MIDDLEWARES:
+        cmd += ["--middleware", middleware]
     return cmd
 
 
