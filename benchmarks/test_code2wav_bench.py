@@ -1,19 +1,22 @@
-"""pytest-benchmark: the code2wav decoder streaming a request as the stage does, stock vs fast.
+"""pytest-benchmark: the code2wav decoder streaming a request as the stage does, stock vs ours.
 
 The stage's async-chunk road: one frame first, then 25-frame chunks, each decoded with the
-request's state (the transformer re-runs its retained window, the vocoder 12 frames of left
-context). Random codec weights at ``OMNI_BENCH_DIMS`` (default ``0.6b``: the released codec;
-``tiny`` for a smoke run), fp32, torch threads capped at 2 (the stage runs 1 on a 2-core machine:
-set ``OMP_NUM_THREADS=1``). Speed is reported, never asserted: each row's ``extra_info`` holds its
-ms per 80 ms frame, the convolution and linear FLOPs per frame, the frames the vocoder ran per
-frame returned, the CPU, and the fast row's speed-up against the stock row of the same session.
-Wall-clock rows mean something only on an idle machine; on a shared one add
-``--benchmark-timer time.process_time``.
+request's state (the transformer re-runs its retained window; the stock vocoder 12 frames of left
+context, the streaming one (VLLM_OMNI_CODE2WAV_STREAMING) none, from the convolution tails it kept).
+Rows: stock, fast (VLLM_OMNI_CODE2WAV_FAST), streaming, streaming with fast. Random codec weights
+at ``OMNI_BENCH_DIMS`` (default ``0.6b``: the released codec; ``tiny`` for a smoke run), fp32,
+torch threads capped at 2 (the stage runs 1 on a 2-core machine: set ``OMP_NUM_THREADS=1``).
+Speed is reported, never asserted: each row's ``extra_info`` holds its ms per 80 ms frame, the
+convolution and linear FLOPs per frame, the frames the vocoder ran per frame returned, the CPU, the
+load average, its speed-up against the stock row of the same session and its SNR against stock's
+audio (asserted >= 60 dB). Wall-clock rows mean something only on an idle machine; on a shared one
+add ``--benchmark-timer time.process_time``.
 """
 
 from __future__ import annotations
 
 import copy
+import math
 import os
 from typing import Any
 
@@ -109,22 +112,56 @@ def code2wav_setup() -> dict[str, Any]:
     fast = copy.deepcopy(stock)
     make_fast_decoder(fast)
     codes = torch.randint(0, 2048, (1, 16, FRAMES), generator=torch.Generator().manual_seed(0))
-    flops, decoded_per_frame = count_work(stock, codes)
+    stream_decoder, stream_fast = _streaming(stock, fast=False), _streaming(stock, fast=True)
+    work = {name: count_work(d, codes) for name, d in (("stock", stock), ("stream", stream_decoder))}
     return {
         "stock": stock,
         "fast": fast,
+        "stream": stream_decoder,
+        "stream_fast": stream_fast,
         "codes": codes,
-        "flops_per_frame": flops,
-        "decoded_per_frame": decoded_per_frame,
+        "want": stream(stock, codes),
+        "work": work,
         "cpu": cpu_name(),
         "session": {},
     }
+
+
+def _streaming(stock: torch.nn.Module, fast: bool) -> torch.nn.Module:
+    """The streaming decoder with ``stock``'s weights (and the fast modules when ``fast``)."""
+    from omni_cpu_fastpath.qwen3_tts.code2wav import make_fast_decoder
+    from omni_cpu_fastpath.qwen3_tts.code2wav_stream import StreamingCodecDecoder
+
+    decoder = StreamingCodecDecoder._from_config(stock.config).eval()
+    decoder.load_state_dict(stock.state_dict())
+    decoder.precompute_snake_caches()
+    decoder._initial_codec_chunk_frames = CHUNKS[0]
+    decoder._incremental_chunk_frames = CHUNKS[1]
+    if fast:
+        make_fast_decoder(decoder)
+    decoder.enable_streaming()
+    return decoder
+
+
+def snr_db(want: torch.Tensor, got: torch.Tensor) -> float:
+    noise = float((got.double() - want.double()).pow(2).sum())
+    return float("inf") if noise == 0 else 10.0 * math.log10(float(want.double().pow(2).sum()) / noise)
+
+
+def _check_and_record(benchmark: Any, setup: dict[str, Any], name: str, wav: torch.Tensor) -> None:
+    assert wav.shape == (1, FRAMES * 1920)
+    snr = snr_db(setup["want"], wav)
+    if name != "stock":
+        assert snr >= 60.0, f"{name}: {snr:.1f} dB against stock"
+    _record(benchmark, setup, name)
+    benchmark.extra_info["snr_db_vs_stock"] = snr
 
 
 def _record(benchmark: Any, setup: dict[str, Any], name: str) -> None:
     stats = getattr(benchmark, "stats", None)
     if stats is None:  # --benchmark-disable: nothing was timed
         return
+    flops, decoded_per_frame = setup["work"]["stream" if name.startswith("stream") else "stock"]
     ms = stats.stats.min * 1e3 / FRAMES  # min: the machine is shared
     setup["session"][name] = ms
     benchmark.extra_info.update(
@@ -133,8 +170,8 @@ def _record(benchmark: Any, setup: dict[str, Any], name: str) -> None:
             "ms_per_frame": ms,
             "frame_ms": 80.0,
             "real_time_factor": ms / 80.0,
-            "flops_per_frame": setup["flops_per_frame"],
-            "vocoder_frames_per_frame": setup["decoded_per_frame"],
+            "flops_per_frame": flops,
+            "vocoder_frames_per_frame": decoded_per_frame,
             "threads": torch.get_num_threads(),
             "load_1min": os.getloadavg()[0],
             "cpu": setup["cpu"],
@@ -144,15 +181,7 @@ def _record(benchmark: Any, setup: dict[str, Any], name: str) -> None:
         benchmark.extra_info["speedup_vs_stock"] = setup["session"]["stock"] / ms
 
 
-def test_stock_stream(benchmark: Any, code2wav_setup: dict[str, Any]) -> None:
-    wav = benchmark.pedantic(stream, args=(code2wav_setup["stock"], code2wav_setup["codes"]), rounds=3)
-    assert wav.shape == (1, FRAMES * 1920)
-    _record(benchmark, code2wav_setup, "stock")
-
-
-def test_fast_stream(benchmark: Any, code2wav_setup: dict[str, Any]) -> None:
-    wav = benchmark.pedantic(stream, args=(code2wav_setup["fast"], code2wav_setup["codes"]), rounds=3)
-    want = stream(code2wav_setup["stock"], code2wav_setup["codes"])
-    noise = (wav.double() - want.double()).pow(2).sum()
-    assert noise <= want.double().pow(2).sum() * 1e-6  # >= 60 dB SNR
-    _record(benchmark, code2wav_setup, "fast")
+@pytest.mark.parametrize("name", ["stock", "fast", "stream", "stream_fast"])
+def test_stream(benchmark: Any, code2wav_setup: dict[str, Any], name: str) -> None:
+    wav = benchmark.pedantic(stream, args=(code2wav_setup[name], code2wav_setup["codes"]), rounds=3)
+    _check_and_record(benchmark, code2wav_setup, name, wav)

@@ -145,6 +145,12 @@ FLAGS: dict[str, Flag] = {
             "code2wav decoder: in-place SnakeBeta and GEMM transposed convolutions (auto: on on CPU).",
         ),
         Flag(
+            "VLLM_OMNI_CODE2WAV_STREAMING",
+            "bool",
+            "0",
+            "code2wav: a later chunk runs the vocoder on its new frames only, from tails kept per request.",
+        ),
+        Flag(
             "VLLM_OMNI_SPARK",
             "bool",
             "1",

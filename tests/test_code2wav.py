@@ -41,25 +41,33 @@ def _build(model_dir: Path, cls: Any) -> Any:
     return model
 
 
-@pytest.fixture(scope="module")
-def stages(tiny_model_dir: Path) -> dict[str, Any]:
-    """The stock stage, the fast stage (flag on) and the fast stage with the flag off."""
-    from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav import Qwen3TTSCode2Wav
-
+def _build_with(model_dir: Path, fast: str, streaming: str) -> Any:
+    """``FastQwen3TTSCode2Wav`` built with these two flags (the environment is restored after)."""
     from omni_cpu_fastpath.qwen3_tts.code2wav import FastQwen3TTSCode2Wav
 
-    saved = os.environ.get("VLLM_OMNI_CODE2WAV_FAST")
+    names = ("VLLM_OMNI_CODE2WAV_FAST", "VLLM_OMNI_CODE2WAV_STREAMING")
+    saved = {name: os.environ.get(name) for name in names}
     try:
-        stock = _build(tiny_model_dir, Qwen3TTSCode2Wav)
-        os.environ["VLLM_OMNI_CODE2WAV_FAST"] = "1"
-        fast = _build(tiny_model_dir, FastQwen3TTSCode2Wav)
-        os.environ["VLLM_OMNI_CODE2WAV_FAST"] = "0"
-        off = _build(tiny_model_dir, FastQwen3TTSCode2Wav)
+        os.environ.update(zip(names, (fast, streaming), strict=True))
+        return _build(model_dir, FastQwen3TTSCode2Wav)
     finally:
-        if saved is None:
-            os.environ.pop("VLLM_OMNI_CODE2WAV_FAST", None)
-        else:
-            os.environ["VLLM_OMNI_CODE2WAV_FAST"] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@pytest.fixture(scope="module")
+def stages(tiny_model_dir: Path) -> dict[str, Any]:
+    """The stock stage; ours with the fast decoder, with no flag, and streaming."""
+    from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav import Qwen3TTSCode2Wav
+
+    stock = _build(tiny_model_dir, Qwen3TTSCode2Wav)
+    fast = _build_with(tiny_model_dir, "1", "0")
+    off = _build_with(tiny_model_dir, "0", "0")
+    stream = _build_with(tiny_model_dir, "0", "1")
+    built = {"stock": stock, "fast": fast, "off": off, "stream": stream}
     # The random checkpoint leaves every SnakeBeta at alpha = beta = 0; give them distinct values
     # (the same in every stage) so the activations are exercised.
     g = torch.Generator().manual_seed(1)
@@ -67,11 +75,11 @@ def stages(tiny_model_dir: Path) -> dict[str, Any]:
         for name, p in stock.decoder.named_parameters():
             if name.endswith((".alpha", ".beta")):
                 values = 0.3 * torch.randn(p.shape, generator=g)
-                for model in (stock, fast, off):
+                for model in built.values():
                     dict(model.decoder.named_parameters())[name].copy_(values)
-    for model in (stock, fast, off):
+    for model in built.values():
         model.decoder.precompute_snake_caches()
-    return {"stock": stock, "fast": fast, "off": off}
+    return built
 
 
 def _codes(frames: int, seed: int = 0) -> torch.Tensor:
@@ -103,10 +111,10 @@ def test_fast_stage_serves_the_fast_modules(stages: dict[str, Any]) -> None:
     assert off.served == "stock decoder (VLLM_OMNI_CODE2WAV_FAST off)"
     assert not any(isinstance(m, (InplaceSnakeBeta, GemmCausalTransConv)) for m in off.decoder.modules())
     assert any(type(m) is SnakeBeta for m in off.decoder.modules())
-    # Parameter names (what loading goes by) are the stock ones.
-    assert {n for n, _ in fast.decoder.named_parameters()} == {
-        n for n, _ in stages["stock"].decoder.named_parameters()
-    }
+    # Parameter names (what loading goes by) are the stock ones, streaming or not.
+    names = {n for n, _ in stages["stock"].decoder.named_parameters()}
+    for name in ("fast", "stream"):
+        assert {n for n, _ in stages[name].decoder.named_parameters()} == names, name
 
 
 def test_inplace_snake_is_bit_identical() -> None:
@@ -205,6 +213,165 @@ def test_timers_count_decoded_and_emitted_frames(stages: dict[str, Any], tmp_pat
         step_stats.configure(None)
 
 
+# Two requests served together as the runner batches them: chunk k of each in step k. Both open
+# with one frame; "b" ends on a short chunk beside a full one of "a", "a" on a short chunk alone.
+# (VLLM_OMNI_CODE2WAV_FAST with streaming: benchmarks/test_code2wav_bench.py, which CI runs too.)
+SCHEDULE = {"a": [1, 25, 9], "b": [1, 13]}
+
+
+def _serve_chunks(
+    stage: Any, codes: dict[str, torch.Tensor], schedule: dict[str, list[int]]
+) -> tuple[dict[str, torch.Tensor], list[dict[str, bool]]]:
+    """Every request's audio through the stage's async-chunk forward, and after each step, per live
+    request, whether its state holds vocoder tails."""
+    from omni_cpu_fastpath.qwen3_tts.code2wav_stream import STATE_KEY
+
+    audio: dict[str, list[torch.Tensor]] = {rid: [] for rid in schedule}
+    pos = dict.fromkeys(schedule, 0)
+    tails: list[dict[str, bool]] = []
+    for step in range(max(map(len, schedule.values()))):
+        rids = [rid for rid, chunks in schedule.items() if step < len(chunks)]
+        flat, infos = [], []
+        for rid in rids:
+            n = schedule[rid][step]
+            flat.append(codes[rid][0, :, pos[rid] : pos[rid] + n].reshape(-1))  # codebook-major, as sent
+            pos[rid] += n
+            infos.append({"meta": {"request_id": rid, "finished": step == len(schedule[rid]) - 1}})
+        out = stage(
+            input_ids=torch.cat(flat),
+            runtime_additional_information=infos,
+            seq_token_counts=[int(f.numel()) for f in flat],
+        )
+        step_stats.end_step()
+        for rid, wav in zip(rids, out.multimodal_outputs["model_outputs"], strict=True):
+            audio[rid].append(wav)
+        tails.append({rid: STATE_KEY in state for rid, state in stage._decoder_state_cache.items()})
+    return {rid: torch.cat(parts) for rid, parts in audio.items()}, tails
+
+
+def test_streaming_vocoder_matches_stock_chunks_and_the_full_decode(
+    stages: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The streamed vocoder (new frames only, tails in the request state) against vllm-omni's stage
+    running the same schedule, and against the whole request decoded at once (``_forward_exact``)."""
+    codes = {rid: _codes(sum(chunks), seed=10 + i) for i, (rid, chunks) in enumerate(SCHEDULE.items())}
+    for name in ("stock", "stream"):
+        monkeypatch.setattr(stages[name], "_async_chunk", True)  # the CPU deploy config's mode
+    want, _ = _serve_chunks(stages["stock"], codes, SCHEDULE)
+    step_stats.configure(str(tmp_path), sync=False, codes=False)
+    try:
+        got, tails = _serve_chunks(stages["stream"], codes, SCHEDULE)
+        lines = [
+            json.loads(x)["values"] for x in (tmp_path / f"{os.getpid()}.jsonl").read_text().splitlines()
+        ]
+    finally:
+        step_stats.configure(None)
+    assert stages["stream"].served_streaming.startswith("streaming vocoder (")
+    for rid, frames in ((rid, sum(chunks)) for rid, chunks in SCHEDULE.items()):
+        with torch.inference_mode():
+            exact = stages["stock"].decoder._forward_exact(codes[rid]).reshape(-1)
+        assert want[rid].shape == got[rid].shape == exact.shape == (frames * FRAME,)
+        # The first chunk is stock's own decode, which seeds the tails.
+        assert torch.equal(got[rid][:FRAME], want[rid][:FRAME])
+        print(
+            f"request {rid}: streaming vs stock chunks {snr_db(want[rid], got[rid]):.1f} dB, "
+            f"vs the full decode {snr_db(exact, got[rid]):.1f} dB"
+        )
+        assert snr_db(want[rid], got[rid]) >= 60.0
+        assert snr_db(exact, got[rid]) >= 60.0
+    # The vocoder ran over the frames it returned and no others: no left context, no batch padding.
+    decoded = [v["code2wav.frames_decoded"][0] for v in lines if "code2wav.frames_decoded" in v]
+    emitted = [v["code2wav.frames_emitted"][0] for v in lines if "code2wav.frames_emitted" in v]
+    assert decoded == emitted == [2.0, 38.0, 9.0]
+    # Tails live in the request state while the request does, and leave with it.
+    assert tails == [{"a": True, "b": True}, {"a": True}, {}]
+    assert stages["stream"]._decoder_state_cache == {}
+
+
+def test_streaming_state_is_freed_on_abort(stages: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_cpu_fastpath.qwen3_tts.code2wav_stream import STATE_KEY
+
+    stage = stages["stream"]
+    monkeypatch.setattr(stage, "_async_chunk", True)
+    codes = _codes(1, seed=3)
+    stage(input_ids=codes.reshape(-1), runtime_additional_information=[{"meta": {"request_id": "gone"}}])
+    assert STATE_KEY in stage._decoder_state_cache["gone"]
+    stage.on_requests_finished({"gone"})
+    assert stage._decoder_state_cache == {}
+
+
+def test_streaming_after_the_transformer_window_rolls(stages: dict[str, Any]) -> None:
+    """Past the transformer's sliding window (72 frames), stock recomputes the context frames with a
+    shorter attention history than when they were new; streaming keeps what they were then. On the
+    one-layer tiny codec that is exactly the full decode's value."""
+    chunks = [1, 25, 25, 25, 10]  # the last chunk is the first with a rolled window
+    codes = _codes(sum(chunks), seed=4)
+    want = _stream(stages["stock"].decoder, codes, chunks)
+    got = _stream(stages["stream"].decoder, codes, chunks)
+    with torch.inference_mode():
+        exact = stages["stock"].decoder._forward_exact(codes)
+    rolled = slice(76 * FRAME, None)  # the chunks decoded with a rolled window
+    print(
+        f"after rolling: streaming vs full decode {snr_db(exact[..., rolled], got[..., rolled]):.1f} dB, "
+        f"stock vs full decode {snr_db(exact[..., rolled], want[..., rolled]):.1f} dB, "
+        f"streaming vs stock {snr_db(want[..., rolled], got[..., rolled]):.1f} dB"
+    )
+    assert snr_db(exact, got) >= 60.0
+    assert snr_db(exact[..., rolled], got[..., rolled]) >= snr_db(exact[..., rolled], want[..., rolled])
+
+
+def test_streaming_icl_request_matches_stock(stages: dict[str, Any]) -> None:
+    """A request with a 10-frame reference prefix (ICL): its first chunk decodes the prefix too."""
+    from omni_cpu_fastpath.qwen3_tts.code2wav_stream import STATE_KEY
+
+    chunks, prefix = [1, 12], 10
+    codes = _codes(prefix + sum(chunks), seed=5)
+    outs = {}
+    for name in ("stock", "stream"):
+        decoder = stages[name].decoder
+        state: dict[str, Any] = {"prefix_frames": prefix}
+        parts, pos = [], 0
+        with torch.inference_mode():
+            for i, n in enumerate(chunks):
+                start = prefix + pos if i else 0  # the first chunk carries the prefix before its frame
+                part = codes[:, :, start : prefix + pos + n]
+                parts.append(decoder.batched_chunked_decode(part, [part.shape[-1]], caches=[state])[0])
+                pos += n
+        outs[name] = torch.cat(parts, dim=-1)
+        assert (STATE_KEY in state) is (name == "stream")  # streamed to the end, no fallback
+    assert outs["stock"].shape == outs["stream"].shape == (1, sum(chunks) * FRAME)
+    print(f"ICL request: streaming vs stock chunks {snr_db(outs['stock'], outs['stream']):.1f} dB")
+    assert snr_db(outs["stock"], outs["stream"]) >= 60.0
+
+
+def test_streaming_refuses_a_vocoder_it_does_not_know(stages: dict[str, Any]) -> None:
+    import copy
+
+    from torch import nn
+
+    from omni_cpu_fastpath.qwen3_tts.code2wav_stream import (
+        StreamingCausalConv,
+        StreamingCodecDecoder,
+        StreamingUnsupported,
+    )
+
+    assert isinstance(stages["stream"].decoder, StreamingCodecDecoder)
+    assert any(isinstance(m, StreamingCausalConv) for m in stages["stream"].decoder.modules())
+    assert stages["off"].served_streaming == "stock (VLLM_OMNI_CODE2WAV_STREAMING off)"
+    assert type(stages["off"].decoder).__name__ == "Qwen3TTSTokenizerV2Decoder"
+    stage = copy.deepcopy(stages["off"])
+    stage._streaming = True
+    stage.decoder = StreamingCodecDecoder._from_config(stage.decoder.config)
+    stage.decoder.decoder[-2] = nn.Identity()  # a layer whose time behaviour the stream cannot know
+    served = stage._enable_streaming()
+    assert served.startswith("stock (enable_streaming failed: StreamingUnsupported: decoder.")
+    assert "Identity" in served
+    assert not stage.decoder.streaming
+    assert not any(isinstance(m, StreamingCausalConv) for m in stage.decoder.modules())
+    with pytest.raises(StreamingUnsupported):
+        stage.decoder.enable_streaming()
+
+
 def test_flag_refuses_a_bad_value_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_OMNI_CODE2WAV_FAST", "sometimes")
     with pytest.raises(envs.FlagError, match="VLLM_OMNI_CODE2WAV_FAST='sometimes'"):
@@ -213,6 +380,11 @@ def test_flag_refuses_a_bad_value_by_name(monkeypatch: pytest.MonkeyPatch) -> No
         plugins.register_models()
     monkeypatch.setenv("VLLM_OMNI_CODE2WAV_FAST", "auto")
     assert envs.get("VLLM_OMNI_CODE2WAV_FAST") is (not envs.has_accelerator())
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_STREAMING", "auto")  # a plain 0/1 flag
+    with pytest.raises(envs.FlagError, match="VLLM_OMNI_CODE2WAV_STREAMING='auto'"):
+        envs.get("VLLM_OMNI_CODE2WAV_STREAMING")
+    with pytest.raises(envs.FlagError, match="VLLM_OMNI_CODE2WAV_STREAMING"):
+        plugins.register_models()
 
 
 def test_register_models_switches_the_code2wav_class(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,10 +2,11 @@
 
 One server for the whole module (starting one takes minutes on 2 cores), run the way
 ``omni-cpu-fastpath serve`` runs it, with the fast path on (default flags: the int8 predictor,
-CpuSampler) and step stats recorded, codes included. References: the checkpoint's own config
-(sample rate, frame rate), the same request served alone, the codes the runner recorded, the
-server's own HTTP answers and metrics, and the in-situ parity of the int8 predictor against its
-fp32 copy. Requests are what a real client sends, bad ones and abandoned ones included.
+CpuSampler; and code2wav's streaming vocoder) and step stats recorded, codes included.
+References: the checkpoint's own config (sample rate, frame rate), the same request served alone,
+the codes the runner recorded, the server's own HTTP answers and metrics, and the in-situ parity of
+the int8 predictor against its fp32 copy. Requests are what a real client sends, bad ones and
+abandoned ones included.
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         "VLLM_OMNI_PREDICTOR_PARITY_CHECK": "1",
         "VLLM_OMNI_STEP_STATS_DIR": str(work / "stats"),
         "VLLM_OMNI_STEP_STATS_CODES": "1",
+        # code2wav streams its vocoder: every request here runs through it.
+        "VLLM_OMNI_CODE2WAV_STREAMING": "1",
         "XDG_CACHE_HOME": str(work / "cache"),
     }
     srv = serving.start_server(str(tiny_model_dir), work / "server.log", env=env)
@@ -309,6 +312,12 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert talker["predictor.parity"].startswith("on")
     assert talker["sampler"] == "CpuSampler (C kernel)"
     assert "FastQwen3TTSTalker serves: " in server.log_path.read_text(errors="replace")
+    # The code2wav stage streamed its vocoder: it ran over exactly the frames it returned.
+    (code2wav,) = [c for c in step_stats.served_dir(stats_dir).values() if "code2wav.streaming" in c]
+    assert code2wav["code2wav.streaming"].startswith("streaming vocoder ("), code2wav
+    c2w = [ln["values"] for ln in lines if "code2wav.frames_emitted" in ln["values"]]
+    emitted = sum(sum(v["code2wav.frames_emitted"]) for v in c2w)
+    assert emitted > 0 and sum(sum(v["code2wav.frames_decoded"]) for v in c2w) == emitted
     # Every codebook-0 step took the C kernel's road.
     assert summary["sampler.road.kernel"]["count"] > 0 and "sampler.road.numpy" not in summary
     # In-situ parity of the served (int8) predictor against its fp32 copy, 15 values per frame.

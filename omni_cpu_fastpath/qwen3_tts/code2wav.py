@@ -18,8 +18,14 @@ per-request decoder state, chunking) is the stock one; what changes:
   speed on AVX2 cores; the products run at GEMM speed. Parameter names are kept, so loading is
   unchanged.
 
-What serves is logged at load and recorded with ``step_stats.served("code2wav", ...)``; a part
-that cannot be built leaves the stock module in place, with the reason.
+- VLLM_OMNI_CODE2WAV_STREAMING (off by default), on CPU: the decoder is our
+  ``StreamingCodecDecoder`` (``code2wav_stream.py``), whose later chunks run the vocoder over their
+  new frames only, from the causal convolutions' input tails kept in the request's state, instead
+  of decoding 12 frames of left context again.
+
+What serves is logged at load and recorded with ``step_stats.served("code2wav", ...)`` and
+``step_stats.served("code2wav.streaming", ...)``; a part that cannot be built leaves the stock
+module in place, with the reason.
 """
 
 from __future__ import annotations
@@ -100,7 +106,14 @@ class GemmCausalTransConv(nn.Module):
         self.stride = stride
         self.taps = kernel // stride
         self.out_channels = conv.out_channels
+        # Set by attach_stream: the streaming vocoder's state of the rows in progress (code2wav_stream.py).
+        self.stream: Any = None
+        self.slot = -1
         self.pack()
+
+    def attach_stream(self, stream: Any, slot: int) -> None:
+        """Inside ``stream``, continue from the previous chunk's last ``taps - 1`` inputs (its ``slot``)."""
+        self.stream, self.slot = stream, slot
 
     def pack(self) -> None:
         """(Re)build the per-phase weights from ``conv``: call after its weights change."""
@@ -120,6 +133,12 @@ class GemmCausalTransConv(nn.Module):
         )
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        stream = self.stream
+        tail = None
+        if stream is not None and stream.active:
+            tail = stream.tail(self.slot)
+            inputs = hidden_state if tail is None else torch.cat([tail, hidden_state], dim=-1)
+            stream.keep(self.slot, inputs, self.taps - 1)
         batch, _, length = hidden_state.shape
         s, c_out = self.stride, self.out_channels
         out = torch.empty(batch, c_out * s, length, dtype=hidden_state.dtype, device=hidden_state.device)
@@ -130,6 +149,12 @@ class GemmCausalTransConv(nn.Module):
                 torch.mm(self._phases[0], x, out=y)
             else:
                 torch.addmm(self._bias_rows, self._phases[0], x, out=y)
+            if tail is not None:
+                # Phase j of column t reads input t - j, which is in the tail for t < j.
+                xf, h = inputs[b], self.taps - 1
+                for j in range(1, self.taps):
+                    y.addmm_(self._phases[j], xf[:, h - j : h - j + length])
+                continue
             for j in range(1, self.taps):
                 if length > j:
                     y[:, j:].addmm_(self._phases[j], x[:, : length - j])
@@ -177,10 +202,19 @@ class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
         step_stats.configure()
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         self._on_cpu = torch.device(vllm_config.device_config.device).type == "cpu"
+        self._streaming = bool(envs.get("VLLM_OMNI_CODE2WAV_STREAMING"))
+        if self._streaming and self._on_cpu:
+            # Imported here: it imports this module's GemmCausalTransConv.
+            from omni_cpu_fastpath.qwen3_tts.code2wav_stream import StreamingCodecDecoder
+
+            # Our own decoder instance, built as the stock stage builds its own (weights load after).
+            self.decoder = StreamingCodecDecoder._from_config(self.decoder.config)
+            self.decoder.eval()
         self._prepared = False
         self._frames_decoded = 0
         self._transformer_frames = 0
         self.served = ""
+        self.served_streaming = ""
 
     def load_weights(self, weights: Any) -> set[str]:
         loaded = super().load_weights(weights)
@@ -202,12 +236,28 @@ class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
             except Exception as exc:  # a part left half-swapped still computes the stock math
                 served = f"stock decoder (make_fast_decoder failed: {describe(exc)})"
                 logger.exception("omni-cpu-fastpath: %s", served)
+        self.served_streaming = self._enable_streaming()
+        step_stats.served("code2wav.streaming", self.served_streaming)
+        logger.info("omni-cpu-fastpath: code2wav chunks: %s", self.served_streaming)
         # Hooks on this instance's own modules: the frame counts hold for the stock and fast decoders.
         _frame_rate_module(self.decoder).register_forward_pre_hook(self._count_decoded)
         self.decoder.pre_transformer.register_forward_pre_hook(self._count_transformer, with_kwargs=True)
         self.served = served
         step_stats.served("code2wav", served)
         logger.info("omni-cpu-fastpath: FastQwen3TTSCode2Wav serves: %s", served)
+
+    def _enable_streaming(self) -> str:
+        """Turn on the streaming vocoder (after any module swap); what serves the chunks, and why."""
+        if not self._streaming:
+            return "stock (VLLM_OMNI_CODE2WAV_STREAMING off)"
+        if not self._on_cpu:
+            return "stock (not on CPU)"
+        try:
+            return self.decoder.enable_streaming()
+        except Exception as exc:  # nothing swapped: the stock chunks serve
+            served = f"stock (enable_streaming failed: {describe(exc)})"
+            logger.warning("omni-cpu-fastpath: code2wav chunks: %s", served)
+            return served
 
     def _count_decoded(self, _module: nn.Module, args: tuple[Any, ...]) -> None:
         hidden = args[0]
