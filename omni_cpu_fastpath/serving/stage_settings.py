@@ -34,7 +34,10 @@ DEFAULT_OMNI_KV_BYTES = 1 << 30
 
 # VLLM_OMNI_TALKER_INT8 scheme -> the vLLM quantization method ``qwen3_tts/quant/talker_int8.py``
 # registers for it (vLLM lower-cases method names).
-TALKER_INT8_METHODS: dict[str, str] = {"w8-channel": "omni_cpu_talker_w8"}
+TALKER_INT8_METHODS: dict[str, str] = {
+    "w8-channel": "omni_cpu_talker_w8",
+    "w8-plain": "omni_cpu_talker_w8_plain",
+}
 
 
 @dataclass(frozen=True)

@@ -222,6 +222,11 @@ def _build_stock_stage(
         device_config=DeviceConfig("cpu"),
         load_config=LoadConfig(load_format=load_format),
     )
+    if quantization is None:
+        # The platform hook gives a talker stage VLLM_OMNI_TALKER_INT8's method (on by default):
+        # a stock build is float unless asked otherwise.
+        model_config.quantization = None
+        vllm_config.quant_config = None
     with set_current_vllm_config(vllm_config):
         ensure_single_process_world()
         loader = get_model_loader(vllm_config.load_config)

@@ -13,17 +13,38 @@ Only the talker's decoder linears (``model.layers.N.self_attn.{qkv_proj,o_proj}`
 vLLM's ``UnquantizedLinearMethod``, and embeddings, the codec head and attention get None (their
 unquantized defaults). The code predictor is built from ``nn.Linear`` and has its own int8 path.
 
-Scheme (``w8-channel``): the checkpoint's float weights are loaded as usual, then in
-``process_weights_after_loading`` quantized to symmetric int8 per output channel (scale = row
-max / 127), and each call runs ``aten._weight_int8pack_mm`` with bf16 activations (on AVX2 its fp32
-path is 10-30x slower; bf16 keeps 8 mantissa bits whatever a channel's magnitude), output in the
-activation dtype. Activations are never quantized.
+Schemes. Both quantize the checkpoint's float weights, once loaded, to symmetric int8 per output
+channel (scale = row max / 127) and run ``aten._weight_int8pack_mm`` with bf16 activations (on
+AVX2 its fp32 path is 10-30x slower; bf16 keeps 8 mantissa bits whatever a channel's magnitude),
+output in the activation dtype. Activations are never quantized.
+
+- ``w8-plain``: only that.
+- ``w8-channel``: as the predictor's ``w8-channel``, the input columns of outlier channels stay
+  fp32 in a small side product (``[M, c] x [c, N]``), since the rounding of the weights that
+  multiply a channel 30x above the rest dominates a linear's output error. The predictor finds
+  those channels in the RMSNorm gain that feeds a linear; a vLLM linear method sees only its own
+  layer, and its weights need carry no trace of the gain, which scales the linear's *input* (in the
+  ``outliers=True`` test checkpoints, which imitate the released gains, those weight columns are as
+  ordinary as the rest). So the method calibrates on activations: the float weight is kept after
+  loading, and the first
+  informative call (at least two distinct rows: the first prefill, not a start-up dummy run of one
+  repeated token) picks the columns whose RMS over that call's rows is an outlier by the
+  predictor's own criterion (``modules.outlier_channels``), splits them off, quantizes the rest and
+  drops the float weight. Calls before that serve the float weight. The gain-driven channels are
+  outliers for every input, so any prompt finds the same ones.
+
+With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
+and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
+before the served forward, ``talker_parity.TalkerParityChecker``).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -34,14 +55,16 @@ from vllm.model_executor.layers.quantization import QuantizationConfig, register
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
+from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.errors import describe
 from omni_cpu_fastpath.serving.stage_settings import TALKER_INT8_METHODS
 
-from .modules import quantize_per_channel
+from .modules import float_columns_product, outlier_channels, quantize_with_float_columns
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 W8_METHOD = TALKER_INT8_METHODS["w8-channel"]
+W8_PLAIN_METHOD = TALKER_INT8_METHODS["w8-plain"]
 
 # The talker's decoder linears: vLLM's Qwen3Model under the talker's "model" prefix. The code
 # predictor's layers ("code_predictor.model.layers...") are nn.Linear and never reach here.
@@ -55,15 +78,34 @@ def is_talker_decoder_linear(prefix: str) -> bool:
     return _DECODER_LINEAR.fullmatch(prefix) is not None
 
 
+_REFERENCE: ContextVar[bool] = ContextVar("talker_int8_reference", default=False)
+
+
+@contextmanager
+def reference_linears() -> Iterator[None]:
+    """Inside: quantized layers that kept a reference weight (parity check on) serve it instead."""
+    token = _REFERENCE.set(True)
+    try:
+        yield
+    finally:
+        _REFERENCE.reset(token)
+
+
 class TalkerW8LinearMethod(LinearMethodBase):
     """Per-output-channel symmetric int8 weights quantized at load, ``_weight_int8pack_mm`` at call.
 
     ``create_weights`` makes the same float parameter as vLLM's unquantized method (so the layer's
     own ``weight_loader`` fills its shards); ``process_weights_after_loading`` replaces it with
-    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers.
+    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers. ``float_columns``: the ``w8-channel``
+    calibration (module docstring); the layer then holds ``float_cols [c]`` and fp32
+    ``float_weight [N, c]`` once calibrated, and ``pending_weight`` (the float weight) until then.
     """
 
     kernel = True
+
+    def __init__(self, float_columns: bool = True) -> None:
+        super().__init__()
+        self.float_columns = float_columns
 
     def create_weights(
         self,
@@ -88,15 +130,47 @@ class TalkerW8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "qweight", None) is not None:
             return  # already quantized (the loader may call this twice)
-        q, s = quantize_per_channel(layer.weight.data)
+        w = layer.weight.data
+        q, s, _, _ = quantize_with_float_columns(w, None)
         layer.register_buffer("qweight", q)
         layer.register_buffer("scales", s.to(torch.bfloat16))
-        # The float weight is no longer read; vLLM's CPU unquantized path leaves the same empty stub.
-        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        layer.register_buffer("float_cols", None)
+        layer.register_buffer("float_weight", None)
+        # Calibration (w8-channel) needs the float weight until the first informative call.
+        layer.register_buffer("pending_weight", w if self.float_columns else None)
+        parity = envs.get("VLLM_OMNI_TALKER_PARITY_CHECK")
+        layer.register_buffer("reference_weight", w.clone() if parity else None)
+        # The float parameter is no longer read; vLLM's CPU unquantized path leaves the same empty stub.
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         self.kernel = kernel_status() is None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return int8_linear(x, layer.qweight, layer.scales, bias, kernel=self.kernel)
+        if _REFERENCE.get() and layer.reference_weight is not None:
+            return F.linear(x, layer.reference_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        if layer.pending_weight is not None and not calibrate(layer, x):
+            return F.linear(x, layer.pending_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return int8_linear(
+            x, layer.qweight, layer.scales, bias, self.kernel, layer.float_cols, layer.float_weight
+        )
+
+
+@torch.no_grad()
+def calibrate(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Pick ``layer``'s outlier input columns from the activations ``x`` and quantize the rest.
+
+    False (nothing changed) when ``x`` does not inform: fewer than two rows, or every row the same
+    (a start-up dummy run of one repeated token, where a channel's RMS is one draw of it).
+    """
+    k = layer.qweight.shape[1]
+    x2 = x.reshape(-1, k).to(torch.float32)
+    if x2.shape[0] < 2 or not bool((x2 != x2[:1]).any()):
+        return False
+    cols = outlier_channels(x2.square().mean(0).sqrt())
+    q, s, cols, fw = quantize_with_float_columns(layer.pending_weight, cols)
+    layer.qweight, layer.scales = q, s.to(torch.bfloat16)
+    layer.float_cols, layer.float_weight = cols, fw
+    layer.pending_weight = None
+    return True
 
 
 def int8_linear(
@@ -105,8 +179,11 @@ def int8_linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     kernel: bool = True,
+    float_cols: torch.Tensor | None = None,
+    float_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ (qweight * scales[:, None]).T (+ bias)`` with bf16 activations, out in ``x.dtype``."""
+    """``x @ (qweight * scales[:, None]).T (+ x[:, float_cols] @ float_weight.T) (+ bias)`` with bf16
+    activations into the int8 product, out in ``x.dtype``."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k).to(torch.bfloat16)
     if kernel:
@@ -115,6 +192,8 @@ def int8_linear(
         # Where this torch build lacks the kernel: the same arithmetic, dequantizing every call.
         y = F.linear(x2, qweight.to(torch.bfloat16) * scales[:, None])
     y = y.to(x.dtype)
+    if float_cols is not None:
+        y = y + float_columns_product(x.reshape(-1, k), float_cols, float_weight).to(x.dtype)
     if bias is not None:
         y = y + bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
@@ -140,13 +219,17 @@ def kernel_status() -> str | None:
 
 
 class TalkerW8Config(QuantizationConfig):
-    """``omni_cpu_talker_w8``: the talker's decoder linears in int8 (``TalkerW8LinearMethod``)."""
+    """``omni_cpu_talker_w8`` (``w8-channel``): the talker's decoder linears in int8, outlier input
+    columns in fp32 (``TalkerW8LinearMethod``)."""
+
+    scheme = "w8-channel"
+    float_columns = True
 
     def __init__(self) -> None:
         super().__init__()
 
     def get_name(self) -> str:
-        return W8_METHOD
+        return TALKER_INT8_METHODS[self.scheme]
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16, torch.float32]
@@ -167,12 +250,22 @@ class TalkerW8Config(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None  # embeddings, the codec head, attention: their unquantized defaults
         if is_talker_decoder_linear(prefix):
-            return TalkerW8LinearMethod()
+            return TalkerW8LinearMethod(float_columns=self.float_columns)
         return UnquantizedLinearMethod()
 
 
+class TalkerW8PlainConfig(TalkerW8Config):
+    """``omni_cpu_talker_w8_plain`` (``w8-plain``): int8 per output channel, no fp32 columns."""
+
+    scheme = "w8-plain"
+    float_columns = False
+
+
 # Method name -> config class, registered with vLLM by :func:`register`.
-CONFIGS: dict[str, type[QuantizationConfig]] = {W8_METHOD: TalkerW8Config}
+CONFIGS: dict[str, type[QuantizationConfig]] = {
+    W8_METHOD: TalkerW8Config,
+    W8_PLAIN_METHOD: TalkerW8PlainConfig,
+}
 
 
 def register() -> dict[str, type[QuantizationConfig]]:
@@ -191,4 +284,5 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
     count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
     why = kernel_status()
     kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
-    return f"w8-channel ({count} decoder linears, {kernel})"
+    cols = ", outlier input columns fp32 from the first prefill" if quant_config.float_columns else ""
+    return f"{quant_config.scheme} ({count} decoder linears{cols}, {kernel})"
