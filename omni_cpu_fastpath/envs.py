@@ -103,10 +103,10 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "VLLM_OMNI_TALKER_INT8",
             "choice",
-            "w8-channel",
+            "off",
             "int8 scheme for the talker's decoder linears (vLLM quantization method, talker stage only); "
             "w8-channel keeps outlier input columns in fp32, w8-plain does not; the default was chosen "
-            "by measured parity.",
+            "by measured parity. Off with VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
             choices=TALKER_INT8_SCHEMES,
         ),
         Flag(

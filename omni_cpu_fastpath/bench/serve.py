@@ -1,7 +1,7 @@
 """``omni-cpu-fastpath bench serve``: real-time factor, time to first audio and where each frame goes.
 
 Both talkers in one run (or one, with ``--impl``), each behind its own real server on loopback:
-the stock vllm-omni talker (VLLM_OMNI_CPU_FASTPATH=0 and VLLM_OMNI_TALKER_INT8=off; the CPU
+the stock vllm-omni talker (VLLM_OMNI_CPU_FASTPATH=0, which turns talker int8 off too; the CPU
 platform still provides the workers, since stock vllm-omni has none) and FastQwen3TTSTalker
 (=1). Each server gets one
 warm-up request, then ``--requests`` rounds of ``--concurrency`` streaming requests sent at once
@@ -230,7 +230,9 @@ def bench_impl(
         "VLLM_OMNI_STEP_STATS_DIR": str(stats_dir),
     }
     if impl != "fast":
-        env["VLLM_OMNI_TALKER_INT8"] = "off"  # stock: vllm-omni's float talker
+        # Stock is the fast path's off switch, which refuses a talker int8 scheme set beside it
+        # (say, exported for the fast row).
+        env["VLLM_OMNI_TALKER_INT8"] = "off"
     sr = commands.sample_rate_of(model)
     t0 = time.monotonic()
     log = workdir / f"server-{impl}.log"

@@ -15,7 +15,8 @@ when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
 - ``--dtype float32`` serves: the stock talker builds its input embeddings in bf16 whatever the
   model's dtype and fails at its first float32 step; this class builds them in the model's dtype.
 - VLLM_OMNI_TALKER_INT8 acts through vLLM's quantization config (``quant/talker_int8.py``); this
-  class records what serves the decoder linears as ``talker.int8``. With
+  class records what serves the decoder linears as ``talker.int8``, and its ``load_weights`` hands
+  the ``w8-channel`` linears the RMSNorm gains that pick their fp32 columns. With
   VLLM_OMNI_TALKER_PARITY_CHECK=1 each forward also runs the decoder with the int8 layers' float
   weights first and records ``talker.parity.*`` (``talker_parity.TalkerParityChecker``).
 - VLLM_OMNI_CPU_FAST_SAMPLER (CPU only): ``prefer_model_sampler = True`` and ``sample()`` uses
@@ -140,6 +141,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         self._parity: Any = None  # parity.ParityChecker when VLLM_OMNI_PREDICTOR_PARITY_CHECK is on
         # talker_parity.TalkerParityChecker when VLLM_OMNI_TALKER_PARITY_CHECK is on with talker int8
         self._talker_parity: Any = None
+        self._int8_gains = False  # whether load_weights hands the int8 linears their RMSNorm gains
         # component -> what serves it ("cached", "CpuSampler (C kernel)", "stock (why)", ...)
         self.served: dict[str, str] = {}
         self._model_sampler: nn.Module | None = None
@@ -159,6 +161,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import TalkerW8Config, served_status
 
         self._serve("talker.int8", served_status(self, quant_config))
+        self._int8_gains = isinstance(quant_config, TalkerW8Config) and quant_config.float_columns
         if not parity:
             return
         if not isinstance(quant_config, TalkerW8Config):
@@ -223,6 +226,12 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
 
     def load_weights(self, weights: Any) -> set[str]:
         loaded = super().load_weights(weights)
+        if self._int8_gains:
+            # Before vLLM's process_weights_after_loading quantizes the decoder linears: w8-channel
+            # keeps the input columns the RMSNorm gains inflate, a function of the checkpoint only.
+            from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import hand_input_gains
+
+            hand_input_gains(self)
         self._build_predictor()
         return loaded
 

@@ -57,8 +57,14 @@ def build_talker(model_dir: str | Path, variant: str) -> tuple[nn.Module, Any]:
     from omni_cpu_fastpath.testing.stock import build_stock_talker
 
     dtype, scheme = TALKER_VARIANTS[variant]
-    quantization = None if scheme is None else TALKER_INT8_METHODS[scheme]
-    return build_stock_talker(model_dir, dtype, quantization=quantization)
+    if scheme is None:
+        return build_stock_talker(model_dir, dtype)
+    from .quant.talker_int8 import hand_input_gains
+
+    # As FastQwen3TTSTalker.load_weights does: the int8 linears get their RMSNorm gains.
+    return build_stock_talker(
+        model_dir, dtype, quantization=TALKER_INT8_METHODS[scheme], after_load=hand_input_gains
+    )
 
 
 class KVCache:

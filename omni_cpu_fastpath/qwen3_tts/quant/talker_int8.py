@@ -21,17 +21,18 @@ output in the activation dtype. Activations are never quantized.
 - ``w8-plain``: only that.
 - ``w8-channel``: as the predictor's ``w8-channel``, the input columns of outlier channels stay
   fp32 in a small side product (``[M, c] x [c, N]``), since the rounding of the weights that
-  multiply a channel 30x above the rest dominates a linear's output error. The predictor finds
-  those channels in the RMSNorm gain that feeds a linear; a vLLM linear method sees only its own
-  layer, and its weights need carry no trace of the gain, which scales the linear's *input* (in the
-  ``outliers=True`` test checkpoints, which imitate the released gains, those weight columns are as
-  ordinary as the rest). So the method calibrates on activations: the float weight is kept after
-  loading, and the first
-  informative call (at least two distinct rows: the first prefill, not a start-up dummy run of one
-  repeated token) picks the columns whose RMS over that call's rows is an outlier by the
-  predictor's own criterion (``modules.outlier_channels``), splits them off, quantizes the rest and
-  drops the float weight. Calls before that serve the float weight. The gain-driven channels are
-  outliers for every input, so any prompt finds the same ones.
+  multiply a channel 30x above the rest dominates a linear's output error. Those channels are the
+  ones the RMSNorm gain feeding a linear inflates, and the linear's weights need carry no trace of
+  it (the gain scales the linear's *input*; in the ``outliers=True`` test checkpoints, which
+  imitate the released gains, those weight columns are as ordinary as the rest). A vLLM linear
+  method sees only its own layer, so the talker hands it the gain: after its ``load_weights`` and
+  before vLLM's ``process_weights_after_loading``, :func:`hand_input_gains` gives each
+  ``qkv_proj`` its ``input_layernorm`` gain and each ``gate_up_proj`` its
+  ``post_attention_layernorm`` gain, and the method keeps the columns whose ``|gain|`` stands out
+  by the predictor's own rule (``modules.outlier_channels``). The columns are a function of the
+  checkpoint alone: every server of it serves the same weights whatever it is asked first.
+  ``o_proj`` and ``down_proj`` have no gain in front of them and get no fp32 columns; nor does a
+  layer whose weights were loaded without the talker's ``load_weights`` (``--load-format dummy``).
 
 With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
 and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
@@ -96,9 +97,9 @@ class TalkerW8LinearMethod(LinearMethodBase):
 
     ``create_weights`` makes the same float parameter as vLLM's unquantized method (so the layer's
     own ``weight_loader`` fills its shards); ``process_weights_after_loading`` replaces it with
-    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers. ``float_columns``: the ``w8-channel``
-    calibration (module docstring); the layer then holds ``float_cols [c]`` and fp32
-    ``float_weight [N, c]`` once calibrated, and ``pending_weight`` (the float weight) until then.
+    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers. ``float_columns`` (``w8-channel``):
+    the input columns :func:`set_input_gain` marks stay fp32 as ``float_cols [c]`` and
+    ``float_weight [N, c]`` (module docstring); None where there are none.
     """
 
     kernel = True
@@ -131,13 +132,14 @@ class TalkerW8LinearMethod(LinearMethodBase):
         if getattr(layer, "qweight", None) is not None:
             return  # already quantized (the loader may call this twice)
         w = layer.weight.data
-        q, s, _, _ = quantize_with_float_columns(w, None)
+        gain = getattr(layer, "input_gain", None)
+        cols = outlier_channels(gain) if self.float_columns and gain is not None else None
+        q, s, cols, fw = quantize_with_float_columns(w, cols)
+        layer.input_gain = None  # read once: the columns are chosen
         layer.register_buffer("qweight", q)
         layer.register_buffer("scales", s.to(torch.bfloat16))
-        layer.register_buffer("float_cols", None)
-        layer.register_buffer("float_weight", None)
-        # Calibration (w8-channel) needs the float weight until the first informative call.
-        layer.register_buffer("pending_weight", w if self.float_columns else None)
+        layer.register_buffer("float_cols", cols)
+        layer.register_buffer("float_weight", fw)
         parity = envs.get("VLLM_OMNI_TALKER_PARITY_CHECK")
         layer.register_buffer("reference_weight", w.clone() if parity else None)
         # The float parameter is no longer read; vLLM's CPU unquantized path leaves the same empty stub.
@@ -147,30 +149,32 @@ class TalkerW8LinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _REFERENCE.get() and layer.reference_weight is not None:
             return F.linear(x, layer.reference_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        if layer.pending_weight is not None and not calibrate(layer, x):
-            return F.linear(x, layer.pending_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         return int8_linear(
             x, layer.qweight, layer.scales, bias, self.kernel, layer.float_cols, layer.float_weight
         )
 
 
-@torch.no_grad()
-def calibrate(layer: nn.Module, x: torch.Tensor) -> bool:
-    """Pick ``layer``'s outlier input columns from the activations ``x`` and quantize the rest.
+def set_input_gain(layer: nn.Module, gain: torch.Tensor) -> None:
+    """Hand a talker int8 layer the RMSNorm gain that scales its input, before vLLM's
+    ``process_weights_after_loading`` quantizes it (``w8-channel`` keeps the columns it inflates)."""
+    layer.input_gain = gain.detach().to(torch.float32).clone()
 
-    False (nothing changed) when ``x`` does not inform: fewer than two rows, or every row the same
-    (a start-up dummy run of one repeated token, where a channel's RMS is one draw of it).
-    """
-    k = layer.qweight.shape[1]
-    x2 = x.reshape(-1, k).to(torch.float32)
-    if x2.shape[0] < 2 or not bool((x2 != x2[:1]).any()):
-        return False
-    cols = outlier_channels(x2.square().mean(0).sqrt())
-    q, s, cols, fw = quantize_with_float_columns(layer.pending_weight, cols)
-    layer.qweight, layer.scales = q, s.to(torch.bfloat16)
-    layer.float_cols, layer.float_weight = cols, fw
-    layer.pending_weight = None
-    return True
+
+def hand_input_gains(talker: nn.Module) -> int:
+    """:func:`set_input_gain` for each ``qkv_proj`` / ``gate_up_proj`` of the talker's decoder that
+    this method serves, from the RMSNorm in front of it; returns how many were handed one.
+    Call after the weights are loaded and before ``process_weights_after_loading``."""
+    handed = 0
+    for decoder_layer in talker.model.layers:
+        pairs = (
+            (decoder_layer.self_attn.qkv_proj, decoder_layer.input_layernorm),
+            (decoder_layer.mlp.gate_up_proj, decoder_layer.post_attention_layernorm),
+        )
+        for linear, norm in pairs:
+            if isinstance(getattr(linear, "quant_method", None), TalkerW8LinearMethod):
+                set_input_gain(linear, norm.weight)
+                handed += 1
+    return handed
 
 
 def int8_linear(
@@ -284,5 +288,5 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
     count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
     why = kernel_status()
     kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
-    cols = ", outlier input columns fp32 from the first prefill" if quant_config.float_columns else ""
+    cols = ", outlier input columns fp32 from the RMSNorm gains" if quant_config.float_columns else ""
     return f"{quant_config.scheme} ({count} decoder linears{cols}, {kernel})"
