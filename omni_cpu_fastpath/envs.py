@@ -55,7 +55,7 @@ class Flag:
 INT8_VARIANTS = ("off", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel", "w8-bf16head")
 # Schemes of the talker's decoder linears; each is a vLLM quantization method registered by
 # ``qwen3_tts/quant/talker_int8.py`` (names in ``serving/stage_settings.py``).
-TALKER_INT8_SCHEMES = ("off", "w8-channel")
+TALKER_INT8_SCHEMES = ("off", "w8-channel", "w8-plain")
 
 FLAGS: dict[str, Flag] = {
     f.name: f
@@ -104,7 +104,9 @@ FLAGS: dict[str, Flag] = {
             "VLLM_OMNI_TALKER_INT8",
             "choice",
             "off",
-            "int8 scheme for the talker's decoder linears (vLLM quantization method, talker stage only).",
+            "int8 scheme for the talker's decoder linears (vLLM quantization method, talker stage only); "
+            "w8-channel keeps outlier input columns in fp32, w8-plain does not; the default was chosen "
+            "by measured parity. Off with VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
             choices=TALKER_INT8_SCHEMES,
         ),
         Flag(
@@ -118,6 +120,13 @@ FLAGS: dict[str, Flag] = {
             "bool",
             "0",
             "Also run the higher-precision predictor, teacher-forced, and record parity in step_stats.",
+        ),
+        Flag(
+            "VLLM_OMNI_TALKER_PARITY_CHECK",
+            "bool",
+            "0",
+            "With talker int8 on: also run the talker's bf16 linears on the same inputs each step and "
+            "record codec-0 parity in step_stats.",
         ),
         Flag(
             "VLLM_OMNI_CPU_FAST_SAMPLER",

@@ -33,8 +33,10 @@ pytestmark = pytest.mark.slow
 
 FRAMES = 12
 # name -> the environment of one Omni run; "stock" is the reference of the others.
-FAST = {"VLLM_OMNI_CPU_FASTPATH": "1", "VLLM_OMNI_PREDICTOR_INT8": "off"}
+# Bit-for-bit against stock: the float talker everywhere (whatever the default).
+FAST = {"VLLM_OMNI_CPU_FASTPATH": "1", "VLLM_OMNI_PREDICTOR_INT8": "off", "VLLM_OMNI_TALKER_INT8": "off"}
 RUNS = {
+    # The master switch alone: it turns talker int8 off too (stock is stock).
     "stock": {"VLLM_OMNI_CPU_FASTPATH": "0", "DTYPE": "auto"},
     "fast-eager": {**FAST, "VLLM_OMNI_PREDICTOR_COMPILE": "off", "DTYPE": "auto"},
     "fast-eager-fp32": {**FAST, "VLLM_OMNI_PREDICTOR_COMPILE": "off", "DTYPE": "float32"},

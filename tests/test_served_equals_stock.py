@@ -93,6 +93,8 @@ def serve_workload(
         "VLLM_OMNI_STEP_STATS_DIR": str(stats),
         "VLLM_OMNI_STEP_STATS_CODES": "1",
         "XDG_CACHE_HOME": str(work / "cache"),
+        # Bit-for-bit against stock: the float talker on both sides (whatever the default).
+        "VLLM_OMNI_TALKER_INT8": "off",
         **env,
     }
     rate = serving.sample_rate_of(model)

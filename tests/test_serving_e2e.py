@@ -308,6 +308,7 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert talker["model"] == "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"
     assert talker["predictor"] == "cached"
     assert talker["predictor.int8"] == "w8-channel"
+    assert talker["talker.int8"] == "off"  # the default (README, "Talker int8")
     assert talker["predictor.compile"] == "off"
     assert talker["predictor.parity"].startswith("on")
     assert talker["sampler"] == "CpuSampler (C kernel)"

@@ -1,8 +1,9 @@
 """``omni-cpu-fastpath bench serve``: real-time factor, time to first audio and where each frame goes.
 
 Both talkers in one run (or one, with ``--impl``), each behind its own real server on loopback:
-the stock vllm-omni talker (VLLM_OMNI_CPU_FASTPATH=0; the CPU platform still provides the
-workers, since stock vllm-omni has none) and FastQwen3TTSTalker (=1). Each server gets one
+the stock vllm-omni talker (VLLM_OMNI_CPU_FASTPATH=0, which turns talker int8 off too; the CPU
+platform still provides the workers, since stock vllm-omni has none) and FastQwen3TTSTalker
+(=1). Each server gets one
 warm-up request, then ``--requests`` rounds of ``--concurrency`` streaming requests sent at once
 (raw PCM, so the first audio bytes are timed as they arrive), every one capped at the same number
 of frames and seeded, so both talkers synthesize the same amount of audio. RTF = wall time of the
@@ -162,7 +163,8 @@ def stage_floors(
     """Floor ms per frame of each stage, and the weight format each floor assumed.
 
     Weights at the dtype the server recorded (``model.dtype``; the predictor int8 where
-    ``predictor.int8`` names a variant; its few fp32 outlier columns are not counted).
+    ``predictor.int8`` names a variant, the talker int8 where ``talker.int8`` does, its codec head
+    counted at int8 too; the few fp32 outlier columns are not counted).
     """
     from .floor import (
         BYTES_PER_DTYPE,
@@ -177,9 +179,10 @@ def stage_floors(
     talker_dtype = talker.get("model.dtype", "bfloat16")
     int8 = talker.get("predictor.int8", "off")
     predictor_dtype = talker_dtype if int8.startswith("off") else "int8"
+    decoder_dtype = talker_dtype if talker.get("talker.int8", "off").startswith("off") else "int8"
     bytes_per_s = bandwidth_gbs * 1e9
     floors = {
-        "talker": talker_params_per_step(config) * BYTES_PER_DTYPE[talker_dtype] / bytes_per_s * 1e3 / rows,
+        "talker": talker_params_per_step(config) * BYTES_PER_DTYPE[decoder_dtype] / bytes_per_s * 1e3 / rows,
         "predictor": predictor_params_per_frame(config)
         * BYTES_PER_DTYPE[predictor_dtype]
         / bytes_per_s
@@ -187,7 +190,7 @@ def stage_floors(
         / rows,
         "code2wav": code2wav_flops(decoder) / (peak_gflops * 1e9) * 1e3,
     }
-    formats = {"talker": talker_dtype, "predictor": predictor_dtype, "code2wav": "fp32 FLOPs"}
+    formats = {"talker": decoder_dtype, "predictor": predictor_dtype, "code2wav": "fp32 FLOPs"}
     return floors, formats
 
 
@@ -234,6 +237,10 @@ def bench_impl(
         "VLLM_OMNI_CPU_FASTPATH": "1" if impl == "fast" else "0",
         "VLLM_OMNI_STEP_STATS_DIR": str(stats_dir),
     }
+    if impl != "fast":
+        # Stock is the fast path's off switch, which refuses a talker int8 scheme set beside it
+        # (say, exported for the fast row).
+        env["VLLM_OMNI_TALKER_INT8"] = "off"
     sr = commands.sample_rate_of(model)
     t0 = time.monotonic()
     log = workdir / f"server-{impl}.log"

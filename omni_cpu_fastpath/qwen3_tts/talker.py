@@ -15,7 +15,10 @@ when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
 - ``--dtype float32`` serves: the stock talker builds its input embeddings in bf16 whatever the
   model's dtype and fails at its first float32 step; this class builds them in the model's dtype.
 - VLLM_OMNI_TALKER_INT8 acts through vLLM's quantization config (``quant/talker_int8.py``); this
-  class records what serves the decoder linears as ``talker.int8``.
+  class records what serves the decoder linears as ``talker.int8``, and its ``load_weights`` hands
+  the ``w8-channel`` linears the RMSNorm gains that pick their fp32 columns. With
+  VLLM_OMNI_TALKER_PARITY_CHECK=1 each forward also runs the decoder with the int8 layers' float
+  weights first and records ``talker.parity.*`` (``talker_parity.TalkerParityChecker``).
 - VLLM_OMNI_CPU_FAST_SAMPLER (CPU only): ``prefer_model_sampler = True`` and ``sample()`` uses
   ``omni_cpu_fastpath.qwen3_tts.sampler.CpuSampler`` (no torch.compile) for codebook 0.
 
@@ -136,6 +139,9 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         self._max_batch = int(vllm_config.scheduler_config.max_num_seqs)
         self._predictor_built = False
         self._parity: Any = None  # parity.ParityChecker when VLLM_OMNI_PREDICTOR_PARITY_CHECK is on
+        # talker_parity.TalkerParityChecker when VLLM_OMNI_TALKER_PARITY_CHECK is on with talker int8
+        self._talker_parity: Any = None
+        self._int8_gains = False  # whether load_weights hands the int8 linears their RMSNorm gains
         # component -> what serves it ("cached", "CpuSampler (C kernel)", "stock (why)", ...)
         self.served: dict[str, str] = {}
         self._model_sampler: nn.Module | None = None
@@ -146,12 +152,25 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
     def _init_talker_int8(self, vllm_config: Any) -> None:
         # The decoder linears were given their quantization method while the layers were built.
         quant_config = vllm_config.quant_config
+        parity = envs.get("VLLM_OMNI_TALKER_PARITY_CHECK")
         if quant_config is None:
             self._serve("talker.int8", "off")
+            if parity:
+                self._serve("talker.parity", "off (VLLM_OMNI_TALKER_INT8 off: nothing to compare)")
             return
-        from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import served_status
+        from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import TalkerW8Config, served_status
 
         self._serve("talker.int8", served_status(self, quant_config))
+        self._int8_gains = isinstance(quant_config, TalkerW8Config) and quant_config.float_columns
+        if not parity:
+            return
+        if not isinstance(quant_config, TalkerW8Config):
+            self._serve("talker.parity", f"off ({quant_config.get_name()} quantization)")
+            return
+        from omni_cpu_fastpath.qwen3_tts.talker_parity import TalkerParityChecker
+
+        self._talker_parity = TalkerParityChecker(self)
+        self._serve("talker.parity", "on (the int8 layers' float weights, same inputs, before each forward)")
 
     def _serve(self, component: str, detail: str) -> None:
         self.served[component] = detail
@@ -207,6 +226,12 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
 
     def load_weights(self, weights: Any) -> set[str]:
         loaded = super().load_weights(weights)
+        if self._int8_gains:
+            # Before vLLM's process_weights_after_loading quantizes the decoder linears: w8-channel
+            # keeps the input columns the RMSNorm gains inflate, a function of the checkpoint only.
+            from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import hand_input_gains
+
+            hand_input_gains(self)
         self._build_predictor()
         return loaded
 
@@ -226,6 +251,8 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
     # --- timed entry points --------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._talker_parity is not None:
+            return self._talker_parity.run(super().forward, *args, timer=step_stats.MODEL_FORWARD, **kwargs)
         with step_stats.timer(step_stats.MODEL_FORWARD, sync=True):
             return super().forward(*args, **kwargs)
 

@@ -10,11 +10,18 @@ Parity: one forward over ``positions`` random codec-0 embeddings per sequence (t
 every position sees the same inputs whatever it would have sampled), codec logits restricted to the
 ids the talker may sample (codes ``[1, codebook)`` and codec EOS), against the fp32 talker; bf16
 is the control, as for the predictor (``parity.default_rule``).
+
+In situ (``VLLM_OMNI_TALKER_PARITY_CHECK=1`` with ``VLLM_OMNI_TALKER_INT8`` on):
+:class:`TalkerParityChecker` runs the served talker's decoder once more per forward, before the
+served run, with every int8 layer serving its float weight as loaded (the bf16 reference of the
+same layers, on the same inputs and the same KV history), and records codec-0 parity of every
+position of the forward into ``step_stats`` as ``talker.parity.{top1,top5,kl,max_logit_diff}``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import logging
@@ -27,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omni_cpu_fastpath import step_stats
+
 from .parity import parity_metrics, summarize_metrics
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
@@ -35,9 +44,11 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log
 TALKER_VARIANTS: dict[str, tuple[torch.dtype, str | None]] = {
     "fp32": (torch.float32, None),
     "bf16": (torch.bfloat16, None),
+    "w8-plain": (torch.bfloat16, "w8-plain"),
     "w8-channel": (torch.bfloat16, "w8-channel"),
 }
-TALKER_PARITY_VARIANTS = ("bf16", "w8-channel")
+TALKER_PARITY_VARIANTS = ("bf16", "w8-plain", "w8-channel")
+TALKER_PARITY_PREFIX = "talker.parity"
 
 
 def build_talker(model_dir: str | Path, variant: str) -> tuple[nn.Module, Any]:
@@ -46,8 +57,14 @@ def build_talker(model_dir: str | Path, variant: str) -> tuple[nn.Module, Any]:
     from omni_cpu_fastpath.testing.stock import build_stock_talker
 
     dtype, scheme = TALKER_VARIANTS[variant]
-    quantization = None if scheme is None else TALKER_INT8_METHODS[scheme]
-    return build_stock_talker(model_dir, dtype, quantization=quantization)
+    if scheme is None:
+        return build_stock_talker(model_dir, dtype)
+    from .quant.talker_int8 import hand_input_gains
+
+    # As FastQwen3TTSTalker.load_weights does: the int8 linears get their RMSNorm gains.
+    return build_stock_talker(
+        model_dir, dtype, quantization=TALKER_INT8_METHODS[scheme], after_load=hand_input_gains
+    )
 
 
 class KVCache:
@@ -219,11 +236,63 @@ def weight_bytes(talker: nn.Module) -> int:
         n, k = module.output_size_per_partition, module.input_size_per_partition
         if isinstance(module.quant_method, TalkerW8LinearMethod):
             total += n * k + n * module.scales.element_size()
+            if module.float_weight is not None:
+                total += module.float_weight.numel() * module.float_weight.element_size()
         else:
             # The model's dtype (the layer's params_dtype is the dtype it was constructed in).
             total += n * k * talker.lm_head.weight.element_size()
     head = talker.lm_head.weight
     return int(total + head.numel() * head.element_size())
+
+
+class TalkerParityChecker:
+    """In-situ codec-0 parity of the served int8 talker against its float linears (module docstring).
+
+    ``run(forward, *args, **kwargs)``: ``forward`` is the talker's decoder forward; it runs first
+    inside ``talker_int8.reference_linears()`` on copies of the tensor arguments (vLLM's fused
+    residual RMSNorm may add into the input embeddings in place), writing its K/V for this step's
+    positions, then as served on the originals, which overwrites those K/V, so the cache keeps the
+    served history. The served output is returned and the parity of every position recorded.
+    """
+
+    def __init__(self, talker: nn.Module, prefix: str = TALKER_PARITY_PREFIX) -> None:
+        self.talker = talker
+        self.prefix = prefix
+        self.ids: torch.Tensor | None = None  # codec_ids, once the talker is built
+
+    def run(self, forward: Any, *args: Any, timer: str | None = None, **kwargs: Any) -> Any:
+        from .quant.talker_int8 import reference_linears
+
+        def copied(v: Any) -> Any:
+            return v.clone() if isinstance(v, torch.Tensor) else v
+
+        t0 = time.perf_counter()
+        with reference_linears():
+            reference = forward(*map(copied, args), **{k: copied(v) for k, v in kwargs.items()})
+        spent = time.perf_counter() - t0
+        with step_stats.timer(timer, sync=True) if timer else contextlib.nullcontext():
+            served = forward(*args, **kwargs)
+        if isinstance(served, torch.Tensor) and isinstance(reference, torch.Tensor):
+            t0 = time.perf_counter()
+            self.check(reference, served)
+            spent += time.perf_counter() - t0
+        step_stats.record(f"{self.prefix}.check_ms", spent * 1e3)
+        return served
+
+    @torch.inference_mode()
+    def check(self, reference_hidden: torch.Tensor, served_hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Record the metrics of every row (position) of two ``[..., H]`` final hidden states."""
+        if self.ids is None:
+            self.ids = codec_ids(self.talker)
+        ref = codec_logits(self.talker, reference_hidden, self.ids)
+        served = codec_logits(self.talker, served_hidden, self.ids)
+        v = ref.shape[-1]
+        # One "sub-step" per position: a value per position, as the offline table pools them.
+        metrics = parity_metrics(ref.reshape(1, -1, v), served.reshape(1, -1, v))
+        for name, values in metrics.items():
+            for x in values.tolist():
+                step_stats.record(f"{self.prefix}.{name}", x)
+        return metrics
 
 
 def cli_talker_parity(args: argparse.Namespace) -> int:

@@ -34,7 +34,10 @@ DEFAULT_OMNI_KV_BYTES = 1 << 30
 
 # VLLM_OMNI_TALKER_INT8 scheme -> the vLLM quantization method ``qwen3_tts/quant/talker_int8.py``
 # registers for it (vLLM lower-cases method names).
-TALKER_INT8_METHODS: dict[str, str] = {"w8-channel": "omni_cpu_talker_w8"}
+TALKER_INT8_METHODS: dict[str, str] = {
+    "w8-channel": "omni_cpu_talker_w8",
+    "w8-plain": "omni_cpu_talker_w8_plain",
+}
 
 
 @dataclass(frozen=True)
@@ -104,10 +107,25 @@ def omni_kv_bytes(model_config: Any) -> int:
 
 
 def stage_quantization(settings: StageSettings | None) -> str | None:
-    """The vLLM quantization method VLLM_OMNI_TALKER_INT8 selects for a stage, or None."""
+    """The vLLM quantization method VLLM_OMNI_TALKER_INT8 selects for a stage, or None.
+
+    Talker int8 is part of the fast path: with VLLM_OMNI_CPU_FASTPATH off the talker stage is the
+    stock one, float, and its default is off. A scheme set explicitly beside it is refused rather
+    than served: the stock talker does not hand the int8 linears their RMSNorm gains, so
+    ``w8-channel`` would silently lose its fp32 columns, and "stock" would not be stock.
+    """
     if settings is None or not settings.int8_linears:
         return None
     scheme = envs.get("VLLM_OMNI_TALKER_INT8")
+    if not envs.get("VLLM_OMNI_CPU_FASTPATH"):
+        if scheme != "off" and os.environ.get("VLLM_OMNI_TALKER_INT8") is not None:
+            raise envs.FlagError(
+                f"VLLM_OMNI_TALKER_INT8={os.environ['VLLM_OMNI_TALKER_INT8']!r} needs the fast path, but "
+                f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH')!r} turns it off (the stock, "
+                "float talker serves): set VLLM_OMNI_TALKER_INT8=off (or unset it), or "
+                "VLLM_OMNI_CPU_FASTPATH=1"
+            )
+        return None
     return None if scheme == "off" else TALKER_INT8_METHODS[scheme]
 
 

@@ -20,11 +20,12 @@ the stage-1 codec decoder: see their docstrings.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 PREDICTOR_PREFIX = "talker.code_predictor."
 
@@ -195,8 +196,10 @@ def _build_stock_stage(
     load_format: str,
     quantization: str | None = None,
     arch: str | None = None,
+    after_load: Callable[[nn.Module], Any] | None = None,
 ):
     # ``arch``: the architecture name the config declares (a subclass serves under the stock name).
+    # ``after_load``: called with the model between loading and process_weights_after_loading.
     from vllm.config import DeviceConfig, LoadConfig, VllmConfig
     from vllm.config.vllm import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model_loader
@@ -222,6 +225,11 @@ def _build_stock_stage(
         device_config=DeviceConfig("cpu"),
         load_config=LoadConfig(load_format=load_format),
     )
+    if quantization is None:
+        # The platform hook gives a talker stage VLLM_OMNI_TALKER_INT8's method where the
+        # environment selects one: a stock build is float unless asked otherwise.
+        model_config.quantization = None
+        vllm_config.quant_config = None
     with set_current_vllm_config(vllm_config):
         ensure_single_process_world()
         loader = get_model_loader(vllm_config.load_config)
@@ -229,6 +237,8 @@ def _build_stock_stage(
             model = model_cls(vllm_config=vllm_config, prefix="")
         model = model.to(dtype=dtype)
         loader.load_weights(model, model_config)
+        if after_load is not None:
+            after_load(model)
         process_weights_after_loading(model, model_config, torch.device("cpu"))
     return model.eval(), vllm_config
 
@@ -238,6 +248,7 @@ def build_stock_talker(
     dtype: torch.dtype = torch.float32,
     load_format: str = "auto",
     quantization: str | None = None,
+    after_load: Callable[[nn.Module], Any] | None = None,
 ):
     """The stock ``Qwen3TTSTalkerForConditionalGeneration`` built on CPU outside an engine.
 
@@ -251,7 +262,9 @@ def build_stock_talker(
     so this is for construction, loading, ``talker_mtp`` and embeddings, not a backbone forward
     through vLLM's attention (``qwen3_tts/talker_parity.py`` runs the layers with its own).
     ``quantization``: a vLLM quantization method name for the model config (e.g. the talker's int8
-    method), resolved through vLLM's registry as a served stage resolves it.
+    method), resolved through vLLM's registry as a served stage resolves it. ``after_load``: called
+    with the model once its weights are loaded, before ``process_weights_after_loading`` (where
+    ``FastQwen3TTSTalker.load_weights`` hands the int8 linears their RMSNorm gains).
     Returns ``(model, vllm_config)``.
     """
     from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker import (
@@ -259,7 +272,14 @@ def build_stock_talker(
     )
 
     return _build_stock_stage(
-        model_dir, Qwen3TTSTalkerForConditionalGeneration, "qwen3_tts", "ar", dtype, load_format, quantization
+        model_dir,
+        Qwen3TTSTalkerForConditionalGeneration,
+        "qwen3_tts",
+        "ar",
+        dtype,
+        load_format,
+        quantization,
+        after_load=after_load,
     )
 
 

@@ -37,9 +37,31 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q.contiguous(), scales.contiguous()
 
 
+def quantize_with_float_columns(
+    weight: torch.Tensor, float_cols: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`quantize_per_channel` of ``weight`` without its input columns ``float_cols``, which
+    are returned in fp32 beside it: ``(q, scales, cols or None, float_weight [N, c] or None)``.
+    The row scales then come from the other columns only."""
+    w = weight.detach().to(torch.float32)
+    if float_cols is None or not float_cols.numel():
+        return (*quantize_per_channel(w), None, None)
+    cols = float_cols.long()
+    fw = w[:, cols].clone()
+    w = w.clone()
+    w[:, cols] = 0.0
+    return (*quantize_per_channel(w), cols, fw)
+
+
 def _int8pack_mm(x2: torch.Tensor, qweight: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
     # bf16 activations: the vectorized path of both the ATen kernel and Inductor's CPP template.
     return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), qweight, scales_bf16)
+
+
+def float_columns_product(x2: torch.Tensor, cols: torch.Tensor, float_weight: torch.Tensor) -> torch.Tensor:
+    """The outlier channels' share of a linear: ``x2[:, cols] @ float_weight.T`` (``[M, c] x [c, N]``)
+    in fp32, exact where the int8 product of those columns would not be."""
+    return x2.index_select(1, cols).to(torch.float32) @ float_weight.t()
 
 
 class Int8Linear(nn.Module):
@@ -74,25 +96,14 @@ class Int8Linear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, float_cols: torch.Tensor | None = None) -> Int8Linear:
         """Quantize ``linear``; input columns ``float_cols`` (outlier channels) stay fp32 beside."""
-        w = linear.weight.detach().to(torch.float32)
-        fw = None
-        if float_cols is not None and float_cols.numel():
-            fw = w[:, float_cols].clone()
-            w = w.clone()
-            w[:, float_cols] = 0.0
-        else:
-            float_cols = None
-        q, s = quantize_per_channel(w)
+        q, s, float_cols, fw = quantize_with_float_columns(linear.weight, float_cols)
         return cls(q, s, linear.bias, float_cols, fw)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         y = _int8pack_mm(x2, self.qweight, self.scales).to(x.dtype)
         if self.float_cols is not None:
-            # outlier channels: a small [M, c] x [c, N] product in fp32, exact where int8 is not.
-            y = y + (x2.index_select(1, self.float_cols).to(torch.float32) @ self.float_weight.t()).to(
-                x.dtype
-            )
+            y = y + float_columns_product(x2, self.float_cols, self.float_weight).to(x.dtype)
         if self.bias is not None:
             y = y + self.bias.to(x.dtype)
         return y.reshape(*x.shape[:-1], self.out_features)

@@ -13,17 +13,39 @@ Only the talker's decoder linears (``model.layers.N.self_attn.{qkv_proj,o_proj}`
 vLLM's ``UnquantizedLinearMethod``, and embeddings, the codec head and attention get None (their
 unquantized defaults). The code predictor is built from ``nn.Linear`` and has its own int8 path.
 
-Scheme (``w8-channel``): the checkpoint's float weights are loaded as usual, then in
-``process_weights_after_loading`` quantized to symmetric int8 per output channel (scale = row
-max / 127), and each call runs ``aten._weight_int8pack_mm`` with bf16 activations (on AVX2 its fp32
-path is 10-30x slower; bf16 keeps 8 mantissa bits whatever a channel's magnitude), output in the
-activation dtype. Activations are never quantized.
+Schemes. Both quantize the checkpoint's float weights, once loaded, to symmetric int8 per output
+channel (scale = row max / 127) and run ``aten._weight_int8pack_mm`` with bf16 activations (on
+AVX2 its fp32 path is 10-30x slower; bf16 keeps 8 mantissa bits whatever a channel's magnitude),
+output in the activation dtype. Activations are never quantized.
+
+- ``w8-plain``: only that.
+- ``w8-channel``: as the predictor's ``w8-channel``, the input columns of outlier channels stay
+  fp32 in a small side product (``[M, c] x [c, N]``), since the rounding of the weights that
+  multiply a channel 30x above the rest dominates a linear's output error. Those channels are the
+  ones the RMSNorm gain feeding a linear inflates, and the linear's weights need carry no trace of
+  it (the gain scales the linear's *input*; in the ``outliers=True`` test checkpoints, which
+  imitate the released gains, those weight columns are as ordinary as the rest). A vLLM linear
+  method sees only its own layer, so the talker hands it the gain: after its ``load_weights`` and
+  before vLLM's ``process_weights_after_loading``, :func:`hand_input_gains` gives each
+  ``qkv_proj`` its ``input_layernorm`` gain and each ``gate_up_proj`` its
+  ``post_attention_layernorm`` gain, and the method keeps the columns whose ``|gain|`` stands out
+  by the predictor's own rule (``modules.outlier_channels``). The columns are a function of the
+  checkpoint alone: every server of it serves the same weights whatever it is asked first.
+  ``o_proj`` and ``down_proj`` have no gain in front of them and get no fp32 columns; nor does a
+  layer whose weights were loaded without the talker's ``load_weights`` (``--load-format dummy``).
+
+With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
+and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
+before the served forward, ``talker_parity.TalkerParityChecker``).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -34,14 +56,16 @@ from vllm.model_executor.layers.quantization import QuantizationConfig, register
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
+from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.errors import describe
 from omni_cpu_fastpath.serving.stage_settings import TALKER_INT8_METHODS
 
-from .modules import quantize_per_channel
+from .modules import float_columns_product, outlier_channels, quantize_with_float_columns
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 W8_METHOD = TALKER_INT8_METHODS["w8-channel"]
+W8_PLAIN_METHOD = TALKER_INT8_METHODS["w8-plain"]
 
 # The talker's decoder linears: vLLM's Qwen3Model under the talker's "model" prefix. The code
 # predictor's layers ("code_predictor.model.layers...") are nn.Linear and never reach here.
@@ -55,15 +79,34 @@ def is_talker_decoder_linear(prefix: str) -> bool:
     return _DECODER_LINEAR.fullmatch(prefix) is not None
 
 
+_REFERENCE: ContextVar[bool] = ContextVar("talker_int8_reference", default=False)
+
+
+@contextmanager
+def reference_linears() -> Iterator[None]:
+    """Inside: quantized layers that kept a reference weight (parity check on) serve it instead."""
+    token = _REFERENCE.set(True)
+    try:
+        yield
+    finally:
+        _REFERENCE.reset(token)
+
+
 class TalkerW8LinearMethod(LinearMethodBase):
     """Per-output-channel symmetric int8 weights quantized at load, ``_weight_int8pack_mm`` at call.
 
     ``create_weights`` makes the same float parameter as vLLM's unquantized method (so the layer's
     own ``weight_loader`` fills its shards); ``process_weights_after_loading`` replaces it with
-    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers.
+    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers. ``float_columns`` (``w8-channel``):
+    the input columns :func:`set_input_gain` marks stay fp32 as ``float_cols [c]`` and
+    ``float_weight [N, c]`` (module docstring); None where there are none.
     """
 
     kernel = True
+
+    def __init__(self, float_columns: bool = True) -> None:
+        super().__init__()
+        self.float_columns = float_columns
 
     def create_weights(
         self,
@@ -88,15 +131,50 @@ class TalkerW8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if getattr(layer, "qweight", None) is not None:
             return  # already quantized (the loader may call this twice)
-        q, s = quantize_per_channel(layer.weight.data)
+        w = layer.weight.data
+        gain = getattr(layer, "input_gain", None)
+        cols = outlier_channels(gain) if self.float_columns and gain is not None else None
+        q, s, cols, fw = quantize_with_float_columns(w, cols)
+        layer.input_gain = None  # read once: the columns are chosen
         layer.register_buffer("qweight", q)
         layer.register_buffer("scales", s.to(torch.bfloat16))
-        # The float weight is no longer read; vLLM's CPU unquantized path leaves the same empty stub.
-        layer.weight = nn.Parameter(torch.empty(0, dtype=layer.weight.dtype), requires_grad=False)
+        layer.register_buffer("float_cols", cols)
+        layer.register_buffer("float_weight", fw)
+        parity = envs.get("VLLM_OMNI_TALKER_PARITY_CHECK")
+        layer.register_buffer("reference_weight", w.clone() if parity else None)
+        # The float parameter is no longer read; vLLM's CPU unquantized path leaves the same empty stub.
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         self.kernel = kernel_status() is None
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return int8_linear(x, layer.qweight, layer.scales, bias, kernel=self.kernel)
+        if _REFERENCE.get() and layer.reference_weight is not None:
+            return F.linear(x, layer.reference_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        return int8_linear(
+            x, layer.qweight, layer.scales, bias, self.kernel, layer.float_cols, layer.float_weight
+        )
+
+
+def set_input_gain(layer: nn.Module, gain: torch.Tensor) -> None:
+    """Hand a talker int8 layer the RMSNorm gain that scales its input, before vLLM's
+    ``process_weights_after_loading`` quantizes it (``w8-channel`` keeps the columns it inflates)."""
+    layer.input_gain = gain.detach().to(torch.float32).clone()
+
+
+def hand_input_gains(talker: nn.Module) -> int:
+    """:func:`set_input_gain` for each ``qkv_proj`` / ``gate_up_proj`` of the talker's decoder that
+    this method serves, from the RMSNorm in front of it; returns how many were handed one.
+    Call after the weights are loaded and before ``process_weights_after_loading``."""
+    handed = 0
+    for decoder_layer in talker.model.layers:
+        pairs = (
+            (decoder_layer.self_attn.qkv_proj, decoder_layer.input_layernorm),
+            (decoder_layer.mlp.gate_up_proj, decoder_layer.post_attention_layernorm),
+        )
+        for linear, norm in pairs:
+            if isinstance(getattr(linear, "quant_method", None), TalkerW8LinearMethod):
+                set_input_gain(linear, norm.weight)
+                handed += 1
+    return handed
 
 
 def int8_linear(
@@ -105,8 +183,11 @@ def int8_linear(
     scales: torch.Tensor,
     bias: torch.Tensor | None = None,
     kernel: bool = True,
+    float_cols: torch.Tensor | None = None,
+    float_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``x @ (qweight * scales[:, None]).T (+ bias)`` with bf16 activations, out in ``x.dtype``."""
+    """``x @ (qweight * scales[:, None]).T (+ x[:, float_cols] @ float_weight.T) (+ bias)`` with bf16
+    activations into the int8 product, out in ``x.dtype``."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k).to(torch.bfloat16)
     if kernel:
@@ -115,6 +196,8 @@ def int8_linear(
         # Where this torch build lacks the kernel: the same arithmetic, dequantizing every call.
         y = F.linear(x2, qweight.to(torch.bfloat16) * scales[:, None])
     y = y.to(x.dtype)
+    if float_cols is not None:
+        y = y + float_columns_product(x.reshape(-1, k), float_cols, float_weight).to(x.dtype)
     if bias is not None:
         y = y + bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
@@ -140,13 +223,17 @@ def kernel_status() -> str | None:
 
 
 class TalkerW8Config(QuantizationConfig):
-    """``omni_cpu_talker_w8``: the talker's decoder linears in int8 (``TalkerW8LinearMethod``)."""
+    """``omni_cpu_talker_w8`` (``w8-channel``): the talker's decoder linears in int8, outlier input
+    columns in fp32 (``TalkerW8LinearMethod``)."""
+
+    scheme = "w8-channel"
+    float_columns = True
 
     def __init__(self) -> None:
         super().__init__()
 
     def get_name(self) -> str:
-        return W8_METHOD
+        return TALKER_INT8_METHODS[self.scheme]
 
     def get_supported_act_dtypes(self) -> list[torch.dtype]:
         return [torch.bfloat16, torch.float16, torch.float32]
@@ -167,12 +254,22 @@ class TalkerW8Config(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None  # embeddings, the codec head, attention: their unquantized defaults
         if is_talker_decoder_linear(prefix):
-            return TalkerW8LinearMethod()
+            return TalkerW8LinearMethod(float_columns=self.float_columns)
         return UnquantizedLinearMethod()
 
 
+class TalkerW8PlainConfig(TalkerW8Config):
+    """``omni_cpu_talker_w8_plain`` (``w8-plain``): int8 per output channel, no fp32 columns."""
+
+    scheme = "w8-plain"
+    float_columns = False
+
+
 # Method name -> config class, registered with vLLM by :func:`register`.
-CONFIGS: dict[str, type[QuantizationConfig]] = {W8_METHOD: TalkerW8Config}
+CONFIGS: dict[str, type[QuantizationConfig]] = {
+    W8_METHOD: TalkerW8Config,
+    W8_PLAIN_METHOD: TalkerW8PlainConfig,
+}
 
 
 def register() -> dict[str, type[QuantizationConfig]]:
@@ -191,4 +288,5 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
     count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
     why = kernel_status()
     kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
-    return f"w8-channel ({count} decoder linears, {kernel})"
+    cols = ", outlier input columns fp32 from the RMSNorm gains" if quant_config.float_columns else ""
+    return f"{quant_config.scheme} ({count} decoder linears{cols}, {kernel})"
