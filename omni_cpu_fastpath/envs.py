@@ -160,6 +160,13 @@ FLAGS: dict[str, Flag] = {
             "code2wav: a later chunk runs the vocoder on its new frames only, from tails kept per request.",
         ),
         Flag(
+            "VLLM_OMNI_CODE2WAV_IDLE_MS",
+            "int",
+            "10",
+            "code2wav stage: after an engine step that had nothing to run (every request waiting for "
+            "its next chunk), wait this long before the next (0: vLLM's own pace, a step every ~1 ms).",
+        ),
+        Flag(
             "VLLM_OMNI_SPARK",
             "bool",
             "1",

@@ -53,6 +53,9 @@ PREDICTOR_SUBSTEP = "predictor.substep_ms"
 PREDICTOR_LOOP = "predictor.loop_ms"
 # Talker step wall time outside talker MTP, forward and sampling (the CPU AR runner).
 ENGINE_GAP = "engine.gap_ms"
+# Engine steps of a stage that scheduled nothing (all its requests waiting for input), counted by
+# the CPU generation runner and recorded with the next step that ran something.
+ENGINE_EMPTY_STEPS = "engine.empty_steps"
 
 
 class StepStatsError(RuntimeError):

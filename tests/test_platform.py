@@ -107,25 +107,21 @@ def test_platform_names_cpu_workers_that_vllm_omni_accepts():
 def test_platform_hook_fixes_up_an_omni_stage_config(tiny_model_dir, monkeypatch):
     """A real stage config from vllm-omni's engine arguments, as the stock deploy gives it."""
     from vllm.config import CompilationMode
-    from vllm_omni.engine.arg_utils import OmniEngineArgs
 
     from omni_cpu_fastpath.serving.stage_settings import DEFAULT_OMNI_KV_BYTES
     from omni_cpu_fastpath.serving.vllm_platform import adjust_omni_stage_config, is_omni_stage
 
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
-    args = OmniEngineArgs(
-        model=str(tiny_model_dir),
+    # vLLM itself calls the platform's check_and_update_config while building the config, so the
+    # installed vllm.platform_plugins entry point has already moved the stage to V1 and eager.
+    config = _stage_config(
+        tiny_model_dir,
         stage_id=0,
         model_stage="qwen3_tts",
         model_arch="Qwen3TTSTalkerForConditionalGeneration",
         worker_type="ar",
         use_v2_model_runner=True,
-        trust_remote_code=True,
-        max_model_len=512,
     )
-    # vLLM itself calls the platform's check_and_update_config while building the config, so the
-    # installed vllm.platform_plugins entry point has already moved the stage to V1 and eager.
-    config = args.create_engine_config()
     assert is_omni_stage(config.model_config)
     assert config.model_config.use_v2_model_runner is False
     assert config.cache_config.kv_cache_memory_bytes == DEFAULT_OMNI_KV_BYTES
@@ -245,3 +241,51 @@ def test_serve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path):
     other.mkdir()
     (other / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert "--deploy-config" not in serving.serve_command(str(other))
+
+
+def _stage_config(model_dir, **kwargs):
+    """A stage's VllmConfig from vllm-omni's own engine arguments."""
+    from vllm_omni.engine.arg_utils import OmniEngineArgs
+
+    return OmniEngineArgs(
+        model=str(model_dir), trust_remote_code=True, max_model_len=512, **kwargs
+    ).create_engine_config()
+
+
+def _code2wav_stage_config(model_dir, **kwargs):
+    return _stage_config(
+        model_dir,
+        stage_id=1,
+        model_stage="code2wav",
+        model_arch="Qwen3TTSCode2Wav",
+        worker_type="generation",
+        **kwargs,
+    )
+
+
+def test_platform_hook_paces_the_generation_scheduler_and_leaves_others(tiny_model_dir, monkeypatch):
+    """The scheduler vllm-omni's pipeline names for code2wav, swapped by the hook vLLM calls."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm_omni.config.omni_config import _resolve_scheduler_path
+    from vllm_omni.config.stage_config import StageExecutionType
+    from vllm_omni.core.sched.omni_generation_scheduler import OmniGenerationScheduler
+
+    from omni_cpu_fastpath.serving.generation_scheduler import PacedGenerationScheduler
+
+    monkeypatch.delenv("VLLM_OMNI_CODE2WAV_IDLE_MS", raising=False)
+    stock = _resolve_scheduler_path(StageExecutionType.LLM_GENERATION, False)
+    assert stock.rsplit(".", 1)[1] == "OmniGenerationScheduler"  # what the pipeline gives code2wav
+    config = _code2wav_stage_config(tiny_model_dir, scheduler_cls=stock)
+    paced = config.scheduler_config.get_scheduler_cls()
+    assert paced is PacedGenerationScheduler and issubclass(paced, OmniGenerationScheduler)
+    # Any other scheduler (the talker's AR one, vLLM's own) is left as it was.
+    ar = _resolve_scheduler_path(StageExecutionType.LLM_AR, False)
+    assert _code2wav_stage_config(tiny_model_dir, scheduler_cls=ar).scheduler_config.scheduler_cls == ar
+    config = _code2wav_stage_config(tiny_model_dir)
+    assert config.scheduler_config.get_scheduler_cls() is Scheduler
+    # 0 keeps vllm-omni's own pace; a bad value is refused by name.
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_IDLE_MS", "0")
+    assert _code2wav_stage_config(tiny_model_dir, scheduler_cls=stock).scheduler_config.scheduler_cls == stock
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_IDLE_MS", "fast")
+    with pytest.raises(ValueError, match="VLLM_OMNI_CODE2WAV_IDLE_MS='fast'"):
+        _code2wav_stage_config(tiny_model_dir, scheduler_cls=stock)

@@ -331,6 +331,26 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert summary["predictor.parity.max_logit_diff"]["max"] > 0.0  # int8 really serves, not fp32
 
 
+def test_code2wav_stage_steps_at_most_once_per_idle_wait(server):
+    """While every request waits for the talker's next chunk, the code2wav stage steps at most once
+    per VLLM_OMNI_CODE2WAV_IDLE_MS (vLLM alone steps about every millisecond), as its worker counts."""
+    log = server.log_path.read_text(errors="replace")
+    assert "scheduler waits 10 ms after a step with nothing to run" in log
+    serving.synthesize(server, "Waiting for chunks.", max_frames=2 * FRAMES, seed=13)
+    by_pid: dict[int, list[dict]] = {}
+    for line in _stats_lines(server):
+        by_pid.setdefault(line["pid"], []).append(line)
+    (code2wav,) = [ls for ls in by_pid.values() if any("code2wav.forward_ms" in ln["values"] for ln in ls)]
+    code2wav.sort(key=lambda ln: ln["ts"])
+    counted = 0
+    for before, line in zip(code2wav, code2wav[1:], strict=False):
+        empty = sum(line["values"].get(step_stats.ENGINE_EMPTY_STEPS, []))
+        counted += empty
+        # The empty steps counted here all ran between these two lines.
+        assert empty <= (line["ts"] - before["ts"]) / 0.010 + 2, (empty, line["ts"] - before["ts"])
+    assert counted > 0  # the stage did wait for chunks, so the bound above was exercised
+
+
 def _group_pids(leader: int) -> list[int]:
     pids = []
     for stat in Path("/proc").glob("[0-9]*/stat"):

@@ -59,7 +59,12 @@ STAGES: tuple[tuple[str, str, str | None], ...] = (
 )
 TALKER_STAGES = 4  # the first four run one after another in the talker process
 # Also reported in the JSON (totals and counts) where a run records them.
-EXTRA_COUNTERS = (step_stats.PREDICTOR_LOOP, "code2wav.frames_decoded", "code2wav.frames_emitted")
+EXTRA_COUNTERS = (
+    step_stats.PREDICTOR_LOOP,
+    "code2wav.frames_decoded",
+    "code2wav.frames_emitted",
+    step_stats.ENGINE_EMPTY_STEPS,
+)
 
 
 class BenchServeError(ValueError):

@@ -4,7 +4,9 @@ Returned by ``omni_cpu_fastpath.serving.plugins.cpu_vllm_platform`` (entry-point
 ``vllm.platform_plugins``) only where vLLM would pick its own CPU platform anyway. vLLM calls
 ``check_and_update_config`` on every ``VllmConfig`` it builds, in every process, which is the one
 place an out-of-tree package sees each stage's config before its scheduler and workers are made.
-For configs that are not vllm-omni stages it is exactly vLLM's ``CpuPlatform``. The KV budget it
+It also names :mod:`omni_cpu_fastpath.serving.generation_scheduler`'s paced scheduler for a stage
+that would run vllm-omni's generation scheduler (code2wav). For configs that are not vllm-omni
+stages it is exactly vLLM's ``CpuPlatform``. The KV budget it
 gives a stage comes from the table of ``omni_cpu_fastpath.serving.stage_settings``, which the CPU
 deploy config of ``omni-cpu-fastpath serve`` reads too.
 
@@ -19,9 +21,16 @@ from typing import Any
 
 from vllm.platforms.cpu import CpuPlatform
 
+from omni_cpu_fastpath import envs
+
 from .stage_settings import kv_space_from_env, omni_kv_bytes, stage_quantization, stage_settings
 
 logger = logging.getLogger(f"vllm.{__name__}")
+
+# vllm-omni's scheduler of generation stages and our subclass of it that paces empty steps, by
+# name: this module must not import vllm_omni.
+STOCK_GENERATION_SCHEDULER = "vllm_omni.core.sched.omni_generation_scheduler.OmniGenerationScheduler"
+PACED_GENERATION_SCHEDULER = "omni_cpu_fastpath.serving.generation_scheduler.PacedGenerationScheduler"
 
 
 def is_omni_stage(model_config: Any) -> bool:
@@ -66,7 +75,19 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
         model_config.quantization = quantization
         vllm_config.quant_config = register()[quantization]()
         changes.append(f"int8 decoder linears ({quantization})")
+    idle_ms = envs.get("VLLM_OMNI_CODE2WAV_IDLE_MS")
+    scheduler_config = vllm_config.scheduler_config
+    if idle_ms > 0 and _qualname(scheduler_config.scheduler_cls) == STOCK_GENERATION_SCHEDULER:
+        # Set before the engine core builds its scheduler from this config.
+        scheduler_config.scheduler_cls = PACED_GENERATION_SCHEDULER
+        changes.append(f"scheduler waits {idle_ms} ms after a step with nothing to run")
     return changes
+
+
+def _qualname(cls: Any) -> str | None:
+    if cls is None or isinstance(cls, str):
+        return cls
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 class CpuVllmPlatform(CpuPlatform):

@@ -195,9 +195,22 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
 class CPUGenerationModelRunner(_CpuOmniRunnerMixin, GPUGenerationModelRunner, CPUModelRunner):
     """The omni generation runner (code2wav stage) on vLLM's CPU runner."""
 
+    _empty_steps = 0  # steps that scheduled nothing since the last one that ran something
+
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self._cpu_omni_post_init()
+
+    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        if step_stats.enabled():
+            if scheduler_output.total_num_scheduled_tokens == 0:
+                self._empty_steps += 1
+            elif self._empty_steps:
+                # Counted rather than recorded one by one, so that idle steps write no lines; the
+                # count closes into a line of its own as this step starts (stamped with its start).
+                step_stats.record(step_stats.ENGINE_EMPTY_STEPS, float(self._empty_steps))
+                self._empty_steps = 0
+        return super().execute_model(scheduler_output, intermediate_tensors)
 
 
 class _CpuOmniWorkerMixin:
