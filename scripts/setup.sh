@@ -26,9 +26,13 @@ if [[ ${1:-} == --check ]]; then  # report only, change nothing
   exit 1
 fi
 
+# Nothing here is worth a second copy in pip's cache: re-running setup is a no-op once stamped.
+export PIP_NO_CACHE_DIR=1
 pip_main() { .venv/bin/python -m pip install --disable-pip-version-check -q "$@"; }
 # PyPI alone, ignoring local pip config (its torch cap and wheel folder): used for the torch swap.
-pip_pypi() { .venv/bin/python -m pip --isolated install --disable-pip-version-check -q "$@"; }
+# --isolated ignores PIP_NO_CACHE_DIR, so the flag is given: the CUDA wheels PyPI's torch pulls in
+# are GBs that a cache would only duplicate on disk.
+pip_pypi() { .venv/bin/python -m pip --isolated install --disable-pip-version-check --no-cache-dir -q "$@"; }
 
 if [[ ! -f $stamp_main ]]; then
   echo "setup: .venv (serving stack)"
@@ -72,9 +76,30 @@ if [[ ! -f $stamp_ref ]]; then
   pip_ref() { .venv-ref/bin/python -m pip install --disable-pip-version-check -q "$@"; }
   pip_ref --upgrade pip
   # qwen-tts imports torchaudio at import time; PyPI's torchaudio is built against PyPI's torch,
-  # so this venv takes that torch (as .venv does after its swap) rather than the +cpu build.
-  .venv-ref/bin/python -m pip --isolated install --disable-pip-version-check -q "torch==2.13.0" \
-    "torchaudio==2.11.1"
+  # which .venv already holds after its swap. That torch and the CUDA libraries it pulls in are
+  # GBs, so .venv-ref links them from .venv rather than holding a second copy (machines here can
+  # run short of disk). pip sees them as installed; it never deletes a file whose real path lies
+  # outside this venv, so nothing here can remove them from .venv.
+  .venv/bin/python - .venv-ref <<'PY'
+import importlib.metadata as md
+import os
+import sys
+import sysconfig
+
+target = os.path.abspath(os.path.join(sys.argv[1], "lib", f"python{sys.version_info[0]}.{sys.version_info[1]}", "site-packages"))
+source = sysconfig.get_paths()["purelib"]
+linked = set()
+for dist in md.distributions():
+    name = dist.metadata["Name"].lower()
+    if name in ("torch", "triton") or name.startswith(("nvidia-", "cuda-")):
+        linked |= {str(f).split("/")[0] for f in dist.files or () if not str(f).startswith("..")}
+for top in sorted(linked):
+    if not os.path.lexists(os.path.join(target, top)):
+        os.symlink(os.path.join(source, top), os.path.join(target, top))
+print(f"setup: .venv-ref links {len(linked)} entries of torch and its CUDA libraries from .venv")
+PY
+  .venv-ref/bin/python -m pip --isolated install --disable-pip-version-check --no-cache-dir -q \
+    "torch==2.13.0" "torchaudio==2.11.1"
   # qwen-tts pins transformers==4.57.3; its gradio demo dependency is skipped (--no-deps below).
   pip_ref "transformers==4.57.3" "accelerate==1.12.0" einops librosa soundfile sox onnxruntime \
     safetensors numpy
