@@ -4,10 +4,10 @@ One server (module scope) for every test: the tiny random checkpoint in fp32, ea
 ``--enable-auto-tool-choice --tool-call-parser spark25``. A random model does not choose to call
 tools, so the chat tests constrain its output with a regex (vLLM's structured outputs) to the
 tagged call format; what is checked is the way back: the served parser turning that text into
-OpenAI ``tool_calls`` with the schema's JSON types, streaming and not. A named ``tool_choice``
-constrains the output to the tool's JSON schema instead (compact JSON, so that a random model ends
-it); the test's tool has only enumerated values. Completions are checked token for token against
-the plain-torch reference.
+OpenAI ``tool_calls`` with the schema's JSON types, streaming and not. A named or ``"required"``
+``tool_choice`` constrains the output to vLLM's JSON schema of the tools instead (compact JSON, so
+that a random model ends it); those tests' tools have only enumerated values. Completions are
+checked token for token against the plain-torch reference.
 """
 
 from __future__ import annotations
@@ -213,6 +213,49 @@ def test_named_tool_choice_returns_that_tool_call_streaming_and_not(server: Serv
             name += tc.function.name or ""
             arguments += tc.function.arguments or ""
     assert name == "get_time" and json.loads(arguments) == called
+
+
+def test_required_tool_choice_returns_calls_of_the_given_tools_streaming_and_not(
+    server: Server,
+    spark_tiny_dir: Path,  # noqa: F811
+):
+    # "required": vLLM constrains the output to a JSON array of one or more calls of any of the
+    # tools and parses it back. A random model would go on adding calls, so the array's "]" is
+    # favoured: the grammar allows it only once the first call is complete.
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(spark_tiny_dir / "tokenizer.json"))
+    close = [i for i in range(tokenizer.get_vocab_size()) if "]" in tokenizer.decode([i])]
+    assert close
+    client = _client(server)
+    other = {"type": "function", "function": {**ENUM_TOOL["function"], "name": "get_date"}}
+    args = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "What time is it in Rome?"}],
+        "tools": [ENUM_TOOL, other],
+        "tool_choice": "required",
+        "temperature": 0.0,
+        "max_tokens": 200,
+        "logit_bias": {str(i): 100 for i in close},
+    }
+    choice = client.chat.completions.create(**args).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    calls = choice.message.tool_calls
+    assert len(calls) == 1 and not (choice.message.content or "").strip()
+    whole = []
+    for call in calls:
+        called = json.loads(call.function.arguments)
+        assert call.function.name in ("get_time", "get_date"), call
+        assert set(called) == {"city", "hour"}
+        assert called["city"] in ("oslo", "rome") and called["hour"] in (1, 2, 3)
+        whole.append((call.function.name, called))
+    streamed: dict[int, list[str]] = {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for tc in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            part = streamed.setdefault(tc.index, ["", ""])
+            part[0] += tc.function.name or ""
+            part[1] += tc.function.arguments or ""
+    assert [(n, json.loads(a)) for _, (n, a) in sorted(streamed.items())] == whole
 
 
 def test_completions_equal_the_reference_and_streaming_equals_whole(server: Server, spark_tiny_dir: Path):  # noqa: F811
