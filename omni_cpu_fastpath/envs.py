@@ -110,6 +110,15 @@ FLAGS: dict[str, Flag] = {
             choices=TALKER_INT8_SCHEMES,
         ),
         Flag(
+            "VLLM_OMNI_TALKER_FP32_PREFILL",
+            "choice",
+            "auto",
+            "bf16 talker with int8 off: run its decoder linears in fp32 for calls of 16 rows or more "
+            "(a prompt's prefill), where emulated bf16 is slow (auto: on CPUs without AVX512-BF16 "
+            "or AMX). Not bit-equal to the stock talker; off with VLLM_OMNI_CPU_FASTPATH off.",
+            choices=("auto", "on", "off"),
+        ),
+        Flag(
             "VLLM_OMNI_PREDICTOR_THREADS",
             "int",
             "0",

@@ -140,6 +140,8 @@ def _fast_env(compile: str) -> dict[str, str]:
         "VLLM_OMNI_CPU_FASTPATH": "1",
         "VLLM_OMNI_PREDICTOR_INT8": "off",
         "VLLM_OMNI_PREDICTOR_COMPILE": compile,
+        # The fp32 prefill (on by default where this CPU lacks native bf16) sums in another order.
+        "VLLM_OMNI_TALKER_FP32_PREFILL": "off",
     }
 
 

@@ -23,6 +23,7 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
+from cpu_helpers import native_bf16_by_cpuinfo
 
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.serving import commands as serving
@@ -309,6 +310,11 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert talker["predictor"] == "cached"
     assert talker["predictor.int8"] == "w8-channel"
     assert talker["talker.int8"] == "off"  # the default (README, "Talker int8")
+    # A prompt's prefill: in fp32 where this CPU has no native bf16 (the default, auto).
+    if native_bf16_by_cpuinfo():
+        assert talker["talker.prefill"] == "model dtype (bfloat16; quantization: none)"
+    else:
+        assert talker["talker.prefill"].startswith("fp32 from 16 rows ("), talker
     assert talker["predictor.compile"] == "off"
     assert talker["predictor.parity"].startswith("on")
     assert talker["sampler"] == "CpuSampler (C kernel)"

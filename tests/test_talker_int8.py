@@ -194,6 +194,7 @@ def test_bad_flag_value_is_refused_naming_the_variable(monkeypatch: pytest.Monke
 def test_flag_selects_the_method_for_the_talker_stage_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")  # its own method (test_talker_fp32_prefill)
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
     assert all("quantization" not in s for s in stages)
     # The default, chosen by the parity rule (README, "Talker int8"): w8-channel fails it at 0.6B.

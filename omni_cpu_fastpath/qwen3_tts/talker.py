@@ -19,6 +19,8 @@ when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
   the ``w8-channel`` linears the RMSNorm gains that pick their fp32 columns. With
   VLLM_OMNI_TALKER_PARITY_CHECK=1 each forward also runs the decoder with the int8 layers' float
   weights first and records ``talker.parity.*`` (``talker_parity.TalkerParityChecker``).
+  VLLM_OMNI_TALKER_FP32_PREFILL takes the same road with int8 off (``quant/talker_fp32_prefill.py``);
+  this class records how a prefill runs as ``talker.prefill``.
 - VLLM_OMNI_CPU_FAST_SAMPLER (CPU only): ``prefer_model_sampler = True`` and ``sample()`` uses
   ``omni_cpu_fastpath.qwen3_tts.sampler.CpuSampler`` (no torch.compile) for codebook 0.
 
@@ -153,6 +155,12 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         # The decoder linears were given their quantization method while the layers were built.
         quant_config = vllm_config.quant_config
         parity = envs.get("VLLM_OMNI_TALKER_PARITY_CHECK")
+        from omni_cpu_fastpath.qwen3_tts.quant import talker_fp32_prefill
+
+        dtype = vllm_config.model_config.dtype
+        self._serve("talker.prefill", talker_fp32_prefill.served_status(self, quant_config, dtype))
+        if isinstance(quant_config, talker_fp32_prefill.TalkerFp32PrefillConfig):
+            quant_config = None  # no int8: its decoder linears are float
         if quant_config is None:
             self._serve("talker.int8", "off")
             if parity:

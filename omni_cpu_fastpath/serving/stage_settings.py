@@ -38,6 +38,8 @@ TALKER_INT8_METHODS: dict[str, str] = {
     "w8-channel": "omni_cpu_talker_w8",
     "w8-plain": "omni_cpu_talker_w8_plain",
 }
+# VLLM_OMNI_TALKER_FP32_PREFILL's method (``qwen3_tts/quant/talker_fp32_prefill.py``), when int8 is off.
+TALKER_FP32_PREFILL_METHOD = "omni_cpu_talker_fp32_prefill"
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,8 @@ def omni_kv_bytes(model_config: Any) -> int:
 
 
 def stage_quantization(settings: StageSettings | None) -> str | None:
-    """The vLLM quantization method VLLM_OMNI_TALKER_INT8 selects for a stage, or None.
+    """The vLLM quantization method VLLM_OMNI_TALKER_INT8 selects for a stage, or None; with int8
+    off, the fp32-prefill method where VLLM_OMNI_TALKER_FP32_PREFILL asks for it.
 
     Talker int8 is part of the fast path: with VLLM_OMNI_CPU_FASTPATH off the talker stage is the
     stock one, float, and its default is off. A scheme set explicitly beside it is refused rather
@@ -125,8 +128,26 @@ def stage_quantization(settings: StageSettings | None) -> str | None:
                 "float talker serves): set VLLM_OMNI_TALKER_INT8=off (or unset it), or "
                 "VLLM_OMNI_CPU_FASTPATH=1"
             )
+        if envs.get("VLLM_OMNI_TALKER_FP32_PREFILL") == "on":
+            raise envs.FlagError(
+                "VLLM_OMNI_TALKER_FP32_PREFILL='on' needs the fast path, but "
+                f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH')!r} turns it off (the stock "
+                "talker serves): set VLLM_OMNI_TALKER_FP32_PREFILL=auto or off, or VLLM_OMNI_CPU_FASTPATH=1"
+            )
         return None
-    return None if scheme == "off" else TALKER_INT8_METHODS[scheme]
+    if scheme != "off":
+        return TALKER_INT8_METHODS[scheme]
+    return TALKER_FP32_PREFILL_METHOD if fp32_prefill() else None
+
+
+def fp32_prefill() -> bool:
+    """Whether VLLM_OMNI_TALKER_FP32_PREFILL asks for it here (``auto``: this CPU lacks native bf16)."""
+    setting = envs.get("VLLM_OMNI_TALKER_FP32_PREFILL")
+    if setting != "auto":
+        return setting == "on"
+    import torch
+
+    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def kv_space_from_env() -> bool:

@@ -74,7 +74,7 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
 
         model_config.quantization = quantization
         vllm_config.quant_config = register()[quantization]()
-        changes.append(f"int8 decoder linears ({quantization})")
+        changes.append(f"decoder linears by {quantization}")
     idle_ms = envs.get("VLLM_OMNI_CODE2WAV_IDLE_MS")
     scheduler_config = vllm_config.scheduler_config
     if idle_ms > 0 and _qualname(scheduler_config.scheduler_cls) == STOCK_GENERATION_SCHEDULER:

@@ -58,7 +58,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.errors import describe
-from omni_cpu_fastpath.serving.stage_settings import TALKER_INT8_METHODS
+from omni_cpu_fastpath.serving.stage_settings import TALKER_FP32_PREFILL_METHOD, TALKER_INT8_METHODS
 
 from .modules import float_columns_product, outlier_channels, quantize_with_float_columns
 
@@ -273,15 +273,21 @@ CONFIGS: dict[str, type[QuantizationConfig]] = {
 
 
 def register() -> dict[str, type[QuantizationConfig]]:
-    """Register every talker int8 method with vLLM (idempotent); returns name -> config class."""
-    for name, cls in CONFIGS.items():
+    """Register every talker int8 method, and the fp32-prefill one, with vLLM (idempotent);
+    returns name -> config class."""
+    from .talker_fp32_prefill import TalkerFp32PrefillConfig
+
+    configs = {**CONFIGS, TALKER_FP32_PREFILL_METHOD: TalkerFp32PrefillConfig}
+    for name, cls in configs.items():
         register_quantization_config(name)(cls)
-    return CONFIGS
+    return configs
 
 
 def served_status(model: nn.Module, quant_config: Any) -> str:
     """What serves the talker's decoder linears, for ``step_stats.served`` (``talker.int8``)."""
     if quant_config is None:
+        return "off"
+    if quant_config.get_name() == TALKER_FP32_PREFILL_METHOD:
         return "off"
     if not isinstance(quant_config, TalkerW8Config):
         return f"off ({quant_config.get_name()} quantization)"

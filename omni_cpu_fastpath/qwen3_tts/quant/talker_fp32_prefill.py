@@ -1,0 +1,105 @@
+"""The talker's bf16 decoder linears, with many-row calls (a prompt's prefill) computed in fp32.
+
+On a CPU without native bf16 (no AVX512-BF16, no AMX) torch emulates a bf16 matrix product row by
+row, so its cost grows with the rows: a prompt of a hundred tokens through the talker's decoder
+takes several times longer in bf16 than widening the weights to fp32 and running fp32's GEMM,
+while one decode row is fastest in bf16 (half the bytes read). This method keeps the weights in
+bf16 and, from :data:`FP32_ROWS` rows up, multiplies in fp32 and rounds the output to bf16: the
+same products and fp32 accumulation that the bf16 kernel performs, in another order, so the result
+differs from it only in the last bit of some outputs (not bit-equal to the stock talker).
+
+``VLLM_OMNI_TALKER_FP32_PREFILL`` selects it (``auto``: where this CPU lacks native bf16) for the
+talker stage when talker int8 is off, through the same vLLM quantization-method road as
+``talker_int8.py`` (``serving/stage_settings.py``); it is registered beside the int8 methods. Every
+other linear, and every call on a float32 model, is vLLM's ``UnquantizedLinearMethod`` unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.platforms import current_platform
+
+from omni_cpu_fastpath.serving.stage_settings import TALKER_FP32_PREFILL_METHOD
+
+from .talker_int8 import is_talker_decoder_linear
+
+# From this many rows, fp32 is faster than emulated bf16 on AVX2 (the crossover is near 8 rows for
+# the 0.6B talker's shapes); a decode step of up to 8 sequences stays in bf16.
+FP32_ROWS = 16
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class Fp32PrefillLinearMethod(UnquantizedLinearMethod):
+    """vLLM's unquantized method, except that a call of :data:`FP32_ROWS` rows or more on half
+    weights runs ``F.linear`` in fp32 (weights widened per call) and rounds to the input dtype."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if current_platform.is_cpu() and layer.weight.dtype in _HALF:
+            from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+            # Keep the float weight: the fp32 call widens it (vLLM's CPU dispatch may otherwise
+            # replace it with a packed copy only its own kernel reads).
+            dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            return
+        super().process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        weight = layer.weight
+        if weight.dtype not in _HALF or x.numel() < FP32_ROWS * x.shape[-1]:
+            return super().apply(layer, x, bias)
+        return fp32_linear(x, weight, bias)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` with inputs, weights and bias widened to fp32, out in ``x.dtype``."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+class TalkerFp32PrefillConfig(QuantizationConfig):
+    """``omni_cpu_talker_fp32_prefill``: the talker's decoder linears stay in the model's dtype and
+    many-row calls run in fp32 (:class:`Fp32PrefillLinearMethod`); no weight is quantized."""
+
+    def get_name(self) -> str:
+        return TALKER_FP32_PREFILL_METHOD
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> TalkerFp32PrefillConfig:
+        return cls()
+
+    def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
+        if not isinstance(layer, LinearBase):
+            return None
+        if is_talker_decoder_linear(prefix):
+            return Fp32PrefillLinearMethod()
+        return UnquantizedLinearMethod()
+
+
+def served_status(model: nn.Module, quant_config: Any, dtype: torch.dtype) -> str:
+    """How the talker's decoder linears run a prefill, for ``step_stats.served`` (``talker.prefill``)."""
+    name = str(dtype).removeprefix("torch.")
+    if not isinstance(quant_config, TalkerFp32PrefillConfig):
+        method = "none" if quant_config is None else quant_config.get_name()
+        return f"model dtype ({name}; quantization: {method})"
+    if dtype not in _HALF:
+        return f"model dtype ({name}: nothing to widen)"
+    methods = (getattr(m, "quant_method", None) for m in model.modules())
+    count = sum(isinstance(method, Fp32PrefillLinearMethod) for method in methods)
+    return f"fp32 from {FP32_ROWS} rows ({count} decoder linears; fewer rows in {name})"
