@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import vllm_omni  # noqa: F401  # before omni_cpu_fastpath.serving.omni_platform (see its module docstring)
+import yaml
 
 from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.serving import commands as serving
@@ -229,6 +231,13 @@ def test_serve_command_fills_cpu_defaults(tiny_model_dir, tmp_path, monkeypatch)
     # A released name is recognized by its name; another model gets no Qwen3-TTS deploy config.
     assert "--deploy-config" in serving.serve_command("Qwen/Qwen3-TTS-12Hz-0.6B-CustomVoice")
     assert "--deploy-config" not in serving.serve_command("Qwen/Qwen3-0.6B")
+    # The deploy config follows the flags of the server's environment, not the caller's.
+    monkeypatch.delenv("VLLM_OMNI_TALKER_INT8", raising=False)
+    server_env = {**os.environ, "VLLM_OMNI_TALKER_INT8": "w8-plain", "XDG_CACHE_HOME": str(tmp_path / "s")}
+    cmd = serving.serve_command(str(tiny_model_dir), [], server_env)
+    written = yaml.safe_load(Path(cmd[cmd.index("--deploy-config") + 1]).read_text())
+    assert cmd[cmd.index("--deploy-config") + 1].startswith(str(tmp_path / "s"))
+    assert [st.get("quantization") for st in written["stages"]] == ["omni_cpu_talker_w8_plain", None]
 
 
 def test_serve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path):

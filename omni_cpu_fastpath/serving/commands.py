@@ -81,8 +81,11 @@ def _has_option(args: Sequence[str], name: str) -> bool:
     return any(a == name or a.startswith(name + "=") for a in args)
 
 
-def serve_command(model: str, vllm_args: Sequence[str] = ()) -> list[str]:
-    """The ``vllm serve MODEL --omni ...`` command line with the CPU defaults filled in."""
+def serve_command(
+    model: str, vllm_args: Sequence[str] = (), environ: Mapping[str, str] | None = None
+) -> list[str]:
+    """The ``vllm serve MODEL --omni ...`` command line with the CPU defaults filled in, for a server
+    started with ``environ`` (default: this process's environment; the deploy config follows its flags)."""
     args = [a for a in vllm_args if a != "--"]
     if args and args[0] == "--omni":
         args = args[1:]
@@ -90,7 +93,7 @@ def serve_command(model: str, vllm_args: Sequence[str] = ()) -> list[str]:
     if is_qwen3_tts(model) and not _has_option(args, "--deploy-config"):
         from .deploy_config import cpu_deploy_config_path
 
-        cmd += ["--deploy-config", str(cpu_deploy_config_path())]
+        cmd += ["--deploy-config", str(cpu_deploy_config_path(environ))]
     if not _has_option(args, "--host"):
         cmd += ["--host", LOOPBACK]
     # Loading can compile the predictor (VLLM_OMNI_PREDICTOR_COMPILE=step): minutes on a few
@@ -235,11 +238,11 @@ def start_server(
 ) -> Server:
     """Start ``serve_command(model)`` on loopback in the background (not waiting for it)."""
     port = port or free_port()
-    cmd = serve_command(model, [*vllm_args, "--host", LOOPBACK, "--port", str(port)])
-    log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **(env or {})}
     added = {**(env or {}), **server_env(full_env)}
     full_env.update(added)
+    cmd = serve_command(model, [*vllm_args, "--host", LOOPBACK, "--port", str(port)], full_env)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             cmd,

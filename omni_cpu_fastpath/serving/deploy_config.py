@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,14 +28,19 @@ from .stage_settings import (
 CPU_DEPLOY_VERSION = 1
 
 
-def cpu_deploy_overlay(base_config: str, cpus: list[int] | None = None) -> dict[str, Any]:
-    """The CPU overlay on vllm-omni's qwen3_tts.yaml at ``base_config``."""
-    main_env, spare_env = cpu_stage_envs(cpus)
-    stages = [_stage_overlay(s, spare_env if s.spare_core else main_env) for s in QWEN3_TTS_STAGES]
+def cpu_deploy_overlay(
+    base_config: str, cpus: list[int] | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """The CPU overlay on vllm-omni's qwen3_tts.yaml at ``base_config``, for a server started with
+    ``environ`` (default: this process's environment)."""
+    main_env, spare_env = cpu_stage_envs(cpus, environ)
+    stages = [_stage_overlay(s, spare_env if s.spare_core else main_env, environ) for s in QWEN3_TTS_STAGES]
     return {"base_config": base_config, "model_runner": MODEL_RUNNER, "stages": stages}
 
 
-def _stage_overlay(settings: StageSettings, env: dict[str, str]) -> dict[str, Any]:
+def _stage_overlay(
+    settings: StageSettings, env: dict[str, str], environ: Mapping[str, str] | None
+) -> dict[str, Any]:
     stage: dict[str, Any] = {
         "stage_id": settings.stage_id,
         "enforce_eager": settings.enforce_eager,
@@ -45,20 +51,21 @@ def _stage_overlay(settings: StageSettings, env: dict[str, str]) -> dict[str, An
     stage["async_scheduling"] = settings.async_scheduling
     if settings.dtype is not None:
         stage["dtype"] = settings.dtype
-    quantization = stage_quantization(settings)
+    quantization = stage_quantization(settings, environ)
     if quantization is not None:
         # A stage-level key goes to that stage's engine args only (vllm-omni's top-level
         # ``quantization`` would apply to every stage).
         stage["quantization"] = quantization
-    if not kv_space_from_env():
+    if not kv_space_from_env(environ):
         stage["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
     if env:
         stage["env"] = env
     return stage
 
 
-def cpu_deploy_config_path() -> Path:
-    """Write (if changed) and return the CPU deploy config of Qwen3-TTS.
+def cpu_deploy_config_path(environ: Mapping[str, str] | None = None) -> Path:
+    """Write (if changed) and return the CPU deploy config of Qwen3-TTS, for a server started with
+    ``environ`` (default: this process's environment).
 
     It lives in a cache folder, not in the package, because ``base_config`` must name the
     installed vllm-omni's own qwen3_tts.yaml, whose path depends on the install.
@@ -69,9 +76,10 @@ def cpu_deploy_config_path() -> Path:
     base = Path(vllm_omni.__file__).parent / "deploy" / "qwen3_tts.yaml"
     text = (
         f"# Written by omni-cpu-fastpath (version {CPU_DEPLOY_VERSION}); regenerated as needed.\n"
-        + yaml.safe_dump(cpu_deploy_overlay(str(base)), sort_keys=False)
+        + yaml.safe_dump(cpu_deploy_overlay(str(base), environ=environ), sort_keys=False)
     )
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "omni-cpu-fastpath"
+    cache_home = (os.environ if environ is None else environ).get("XDG_CACHE_HOME")
+    cache = Path(cache_home or Path.home() / ".cache") / "omni-cpu-fastpath"
     path = cache / f"qwen3_tts_cpu-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)

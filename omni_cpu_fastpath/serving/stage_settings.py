@@ -16,6 +16,7 @@ resolves its platform).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,7 +109,9 @@ def omni_kv_bytes(model_config: Any) -> int:
     return DEFAULT_OMNI_KV_BYTES if settings is None else settings.kv_cache_memory_bytes
 
 
-def stage_quantization(settings: StageSettings | None) -> str | None:
+def stage_quantization(
+    settings: StageSettings | None, environ: Mapping[str, str] | None = None
+) -> str | None:
     """The vLLM quantization method VLLM_OMNI_TALKER_INT8 selects for a stage, or None; with int8
     off, the fp32-prefill method where VLLM_OMNI_TALKER_FP32_PREFILL asks for it.
 
@@ -116,33 +119,36 @@ def stage_quantization(settings: StageSettings | None) -> str | None:
     stock one, float, and its default is off. A scheme set explicitly beside it is refused rather
     than served: the stock talker does not hand the int8 linears their RMSNorm gains, so
     ``w8-channel`` would silently lose its fp32 columns, and "stock" would not be stock.
+    ``environ``: the environment of the server to be started (default: this process's).
     """
     if settings is None or not settings.int8_linears:
         return None
-    scheme = envs.get("VLLM_OMNI_TALKER_INT8")
-    if not envs.get("VLLM_OMNI_CPU_FASTPATH"):
-        if scheme != "off" and os.environ.get("VLLM_OMNI_TALKER_INT8") is not None:
+    environ = os.environ if environ is None else environ
+    scheme = envs.get("VLLM_OMNI_TALKER_INT8", environ)
+    master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
+    if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
+        if scheme != "off" and environ.get("VLLM_OMNI_TALKER_INT8") is not None:
             raise envs.FlagError(
-                f"VLLM_OMNI_TALKER_INT8={os.environ['VLLM_OMNI_TALKER_INT8']!r} needs the fast path, but "
-                f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH')!r} turns it off (the stock, "
+                f"VLLM_OMNI_TALKER_INT8={environ['VLLM_OMNI_TALKER_INT8']!r} needs the fast path, but "
+                f"{master} turns it off (the stock, "
                 "float talker serves): set VLLM_OMNI_TALKER_INT8=off (or unset it), or "
                 "VLLM_OMNI_CPU_FASTPATH=1"
             )
-        if envs.get("VLLM_OMNI_TALKER_FP32_PREFILL") == "on":
+        if envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) == "on":
             raise envs.FlagError(
                 "VLLM_OMNI_TALKER_FP32_PREFILL='on' needs the fast path, but "
-                f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH')!r} turns it off (the stock "
+                f"{master} turns it off (the stock "
                 "talker serves): set VLLM_OMNI_TALKER_FP32_PREFILL=auto or off, or VLLM_OMNI_CPU_FASTPATH=1"
             )
         return None
     if scheme != "off":
         return TALKER_INT8_METHODS[scheme]
-    return TALKER_FP32_PREFILL_METHOD if fp32_prefill() else None
+    return TALKER_FP32_PREFILL_METHOD if fp32_prefill(environ) else None
 
 
-def fp32_prefill() -> bool:
+def fp32_prefill(environ: Mapping[str, str] | None = None) -> bool:
     """Whether VLLM_OMNI_TALKER_FP32_PREFILL asks for it here (``auto``: this CPU lacks native bf16)."""
-    setting = envs.get("VLLM_OMNI_TALKER_FP32_PREFILL")
+    setting = envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ)
     if setting != "auto":
         return setting == "on"
     import torch
@@ -150,12 +156,14 @@ def fp32_prefill() -> bool:
     return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def kv_space_from_env() -> bool:
+def kv_space_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether VLLM_CPU_KVCACHE_SPACE sets the KV budget of every stage (then the table's does not)."""
-    return bool(os.environ.get("VLLM_CPU_KVCACHE_SPACE"))
+    return bool((os.environ if environ is None else environ).get("VLLM_CPU_KVCACHE_SPACE"))
 
 
-def cpu_stage_envs(cpus: list[int] | None = None) -> tuple[dict[str, str], dict[str, str]]:
+def cpu_stage_envs(
+    cpus: list[int] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[dict[str, str], dict[str, str]]:
     """OpenMP settings of the talker and code2wav workers, from the CPUs this process may use.
 
     With 4 or more CPUs the talker binds to all but the last one and code2wav binds to the last
@@ -163,7 +171,7 @@ def cpu_stage_envs(cpus: list[int] | None = None) -> tuple[dict[str, str], dict[
     shares a core only while a chunk decodes). A VLLM_CPU_OMP_THREADS_BIND set by the user wins:
     then nothing is set per stage.
     """
-    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND"):
+    if (os.environ if environ is None else environ).get("VLLM_CPU_OMP_THREADS_BIND"):
         return {}, {}
     if cpus is None:
         cpus = sorted(os.sched_getaffinity(0))
