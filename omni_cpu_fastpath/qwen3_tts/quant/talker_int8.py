@@ -287,8 +287,6 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
     """What serves the talker's decoder linears, for ``step_stats.served`` (``talker.int8``)."""
     if quant_config is None:
         return "off"
-    if quant_config.get_name() == TALKER_FP32_PREFILL_METHOD:
-        return "off"
     if not isinstance(quant_config, TalkerW8Config):
         return f"off ({quant_config.get_name()} quantization)"
     count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
