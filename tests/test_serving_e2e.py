@@ -152,8 +152,16 @@ def test_streaming_request_returns_audio_early(server, tiny_model_dir):
     # of the same request: the first audio left the server in more than one body chunk, before
     # the talker's last step. (The client's own reading time is not asserted: on a small busy
     # machine the client process can wait seconds for a core after the audio was sent.)
-    lines = [ln for ln in _stats_lines(server) if ln["ts"] >= sent_from]
-    (response,) = [ln for ln in lines if "http.first_body_ms" in ln["values"]]
+    # The server writes the response's line after handing over its last chunk, so the client can
+    # finish reading first: wait for the line.
+    deadline = time.time() + 60
+    while True:
+        lines = [ln for ln in _stats_lines(server) if ln["ts"] >= sent_from]
+        responses = [ln for ln in lines if "http.first_body_ms" in ln["values"]]
+        if responses or time.time() > deadline:
+            break
+        time.sleep(0.2)
+    (response,) = responses
     values = {k: v[0] for k, v in response["values"].items()}
     assert values["http.body_chunks"] > 1, values
     first_audio_at = response["ts"] - (values["http.response_ms"] - values["http.first_body_ms"]) / 1e3
