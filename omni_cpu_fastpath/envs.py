@@ -114,9 +114,17 @@ FLAGS: dict[str, Flag] = {
             "choice",
             "auto",
             "bf16 talker with int8 off: run its decoder linears in fp32 for calls of 16 rows or more "
-            "(a prompt's prefill), where emulated bf16 is slow (auto: on CPUs without AVX512-BF16 "
-            "or AMX). Not bit-equal to the stock talker; off with VLLM_OMNI_CPU_FASTPATH off.",
+            "(a prompt's prefill), where emulated bf16 is slow, and calls of 1-8 rows (decode) through "
+            "VLLM_OMNI_CPU_GEMV's kernel (auto: on CPUs without AVX512-BF16 or AMX). Not bit-equal to "
+            "the stock talker; off with VLLM_OMNI_CPU_FASTPATH off.",
             choices=("auto", "on", "off"),
+        ),
+        Flag(
+            "VLLM_OMNI_CPU_GEMV",
+            "bool",
+            "1",
+            "Products of 1-8 rows (decode steps) of the int8 layers, and of the bf16 talker where the "
+            "CPU lacks native bf16, through the package's C kernel when built; 0: torch's kernels.",
         ),
         Flag(
             "VLLM_OMNI_PREDICTOR_THREADS",

@@ -12,9 +12,10 @@ PY=${PYTHON:-python3.11}
 key=$(cat scripts/setup.sh pyproject.toml shims/vllm-dist/pyproject.toml | sha256sum | cut -c1-16)
 stamp_main=".venv/.omni-setup-$key"
 stamp_ref=".venv-ref/.omni-setup-$key"
-# CpuSampler's C kernel (setup.py): the editable install builds it into the source tree, so a
-# changed source needs a rebuild (seconds), not a new venv.
-kernel_key=$(cat setup.py omni_cpu_fastpath/qwen3_tts/sampler/_kernel.c | sha256sum | cut -c1-16)
+# The C kernels (setup.py: CpuSampler's, the few-row product's): the editable install builds them
+# into the source tree, so a changed source needs a rebuild (seconds), not a new venv.
+kernel_key=$(cat setup.py omni_cpu_fastpath/qwen3_tts/sampler/_kernel.c \
+  omni_cpu_fastpath/_cpu_gemv.c | sha256sum | cut -c1-16)
 stamp_kernel=".venv/.omni-kernel-$kernel_key"
 
 if [[ -f $stamp_main && -f $stamp_ref && -f $stamp_kernel ]]; then
@@ -108,14 +109,17 @@ PY
   touch "$stamp_ref"
 fi
 if [[ ! -f $stamp_kernel ]]; then
-  echo "setup: CpuSampler's C kernel"
+  echo "setup: the C kernels (CpuSampler's, the few-row product's)"
   rm -f .venv/.omni-kernel-*
   pip_main --no-deps --no-build-isolation -e .
-  if .venv/bin/python -c "from omni_cpu_fastpath.qwen3_tts.sampler import _kernel"; then
+  if .venv/bin/python -c "import torch
+from omni_cpu_fastpath.qwen3_tts.sampler import _kernel
+from omni_cpu_fastpath import _cpu_gemv"; then
     touch "$stamp_kernel"
   else
-    # Optional in the package (CpuSampler then takes its numpy path); tests/test_sampler.py fails.
-    echo "setup: WARNING: the C kernel did not build (is a C compiler installed?)" >&2
+    # Optional in the package (CpuSampler takes its numpy path, the few-row products torch's
+    # kernels); tests/test_sampler.py and tests/test_cpu_gemv.py fail.
+    echo "setup: WARNING: a C kernel did not build (is a C compiler installed?)" >&2
   fi
 fi
 echo "setup: done"

@@ -91,6 +91,7 @@ def test_values_parse(monkeypatch: pytest.MonkeyPatch, name: str, value: str, ex
         ("VLLM_OMNI_PREDICTOR_THREADS", "-1"),
         ("VLLM_OMNI_PREDICTOR_THREADS", "four"),
         ("VLLM_OMNI_PREDICTOR_INT8", "int4"),
+        ("VLLM_OMNI_CPU_GEMV", "fast"),
     ],
 )
 def test_bad_value_names_variable_value_and_choices(

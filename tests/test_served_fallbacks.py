@@ -2,9 +2,10 @@
 
 Faults are injected into real servers on loopback (``tests/fault_injection/sitecustomize.py``, on
 PYTHONPATH, acts in every process of the server): the cached predictor cannot be built and the
-sampler's C kernel is missing (one server), or the compiled predictor step fails at the first
-request after a good warm-up (another). The reference for "the audio still comes" is the
-checkpoint's own frame size; for "says why", the reasons step_stats records and the log.
+sampler's and the few-row product's C kernels are missing (one server), or the compiled predictor
+step fails at the first request after a good warm-up (another). The reference for "the audio
+still comes" is the checkpoint's own frame size; for "says why", the reasons step_stats records
+and the log.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def _serve_with_faults(model: Path, work: Path, faults: str, **env: str) -> tupl
 
 
 def test_predictor_construction_error_and_missing_kernel(tiny_model_dir: Path, tmp_path: Path) -> None:
-    before, after, log = _serve_with_faults(tiny_model_dir, tmp_path, "predictor-construction,kernel-missing")
+    faults = "predictor-construction,kernel-missing,gemv-missing"
+    before, after, log = _serve_with_faults(tiny_model_dir, tmp_path, faults)
     # The stock predictor serves, and the reason is recorded and logged.
     assert before["predictor"].startswith("stock (CachedCodePredictor.from_stock failed"), before
     assert "injected: CachedCodePredictor cannot be built" in before["predictor"]
@@ -66,6 +68,9 @@ def test_predictor_construction_error_and_missing_kernel(tiny_model_dir: Path, t
     # CpuSampler takes its numpy road and says why.
     assert before["sampler"].startswith("CpuSampler (numpy (the C kernel is not built"), before
     assert "injected: the C kernel is not built" in before["sampler"]
+    # The int8 layers' few-row products: torch's kernels, and why.
+    assert before["predictor.int8.product"].startswith("torch's kernels (the C kernel is not built"), before
+    assert "injected: the few-row kernel is not built" in before["predictor.int8.product"]
     assert after == before
     assert "keeping the stock code predictor" in log
     assert "FastQwen3TTSTalker serves: " in log

@@ -317,6 +317,8 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert talker["model"] == "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"
     assert talker["predictor"] == "cached"
     assert talker["predictor.int8"] == "w8-channel"
+    # Its decode products (1-8 rows) through the package's C kernel, built by setup.
+    assert talker["predictor.int8.product"].startswith("C kernel ("), talker
     assert talker["talker.int8"] == "off"  # the default (README, "Talker int8")
     # A prompt's prefill: in fp32 where this CPU has no native bf16 (the default, auto).
     if native_bf16_by_cpuinfo():

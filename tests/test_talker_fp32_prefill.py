@@ -46,6 +46,7 @@ def _method_layer(weight, stock: bool = False):
 def test_method_rounds_the_float64_product_once_from_16_rows_and_is_bf16_linear_below() -> None:
     import torch
 
+    from omni_cpu_fastpath import cpu_gemv
     from omni_cpu_fastpath.qwen3_tts.quant.talker_fp32_prefill import FP32_ROWS
 
     torch.manual_seed(0)
@@ -55,9 +56,17 @@ def test_method_rounds_the_float64_product_once_from_16_rows_and_is_bf16_linear_
     method, layer = _method_layer(w)
     stock, stock_layer = _method_layer(w, stock=True)
     assert layer.weight.dtype == torch.bfloat16 and layer.weight.shape == (n, k)  # kept for widening
-    for rows in (1, FP32_ROWS - 1):
-        x = torch.randn(rows, k).bfloat16()
-        assert torch.equal(method.apply(layer, x, bias), stock.apply(stock_layer, x, bias))
+    # 9-15 rows: vLLM's bf16 product, bit for bit; 1-8 rows (decode): the few-row kernel, the same
+    # products accumulated in fp32 with the bias, rounded once (tests/test_cpu_gemv.py bounds it).
+    assert layer.cpu_gemv
+    x = torch.randn(FP32_ROWS - 1, k).bfloat16()
+    assert torch.equal(method.apply(layer, x, bias), stock.apply(stock_layer, x, bias))
+    for rows in (1, 8):
+        x = torch.randn(1, rows, k).bfloat16()
+        x2 = x.reshape(-1, k)
+        want = (cpu_gemv.gemv(x2, w, out_dtype=torch.float32) + bias.float()).bfloat16()
+        assert torch.equal(method.apply(layer, x, bias), want.reshape(1, rows, n))
+        assert torch.equal(method.apply(layer, x), cpu_gemv.gemv(x2, w).reshape(1, rows, n))
     x = torch.randn(4, FP32_ROWS // 2, k).bfloat16()  # 2 x 8 = 16 rows, as a batch of prompts
     y = method.apply(layer, x, bias)
     assert y.shape == (4, FP32_ROWS // 2, n) and y.dtype == torch.bfloat16
@@ -76,6 +85,20 @@ def test_method_rounds_the_float64_product_once_from_16_rows_and_is_bf16_linear_
     stock32, stock_layer32 = _method_layer(w.float(), stock=True)
     x32 = torch.randn(FP32_ROWS * 2, k)
     assert torch.equal(method32.apply(layer32, x32), stock32.apply(stock_layer32, x32))
+
+
+def test_decode_rows_are_vllms_product_with_the_kernel_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.setenv("VLLM_OMNI_CPU_GEMV", "0")
+    torch.manual_seed(1)
+    w = (torch.randn(96, 128) * 0.02).bfloat16()
+    method, layer = _method_layer(w)
+    stock, stock_layer = _method_layer(w, stock=True)
+    assert not layer.cpu_gemv
+    for rows in (1, 8):
+        x = torch.randn(rows, 128).bfloat16()
+        assert torch.equal(method.apply(layer, x), stock.apply(stock_layer, x))
 
 
 def test_auto_follows_this_cpus_native_bf16_and_flag_values(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,7 +155,8 @@ def test_prefill_is_no_further_from_fp32_than_the_bf16_talker(
     assert len(decoder) == 4 * layers  # qkv, o, gate_up, down of every layer
     assert all(cls is UnquantizedLinearMethod for n, cls in methods.items() if n not in decoder)
     assert prefill.served_status(model, mcfg.quant_config, torch.bfloat16) == (
-        f"fp32 from 16 rows ({4 * layers} decoder linears; fewer rows in bfloat16)"
+        f"fp32 from 16 rows ({4 * layers} decoder linears; 1-8 rows: C kernel (avx2) for 1-8 rows; "
+        "other rows in bfloat16)"
     )
     calls: list[int] = []
 

@@ -484,9 +484,10 @@ def test_served_with_the_flag_on_gives_audio(tiny_model_dir: Path, tmp_path: Pat
     assert samples > 0 and samples % per_frame == 0, (samples, per_frame)
     (talker,) = [s for s in step_stats.served_dir(stats).values() if "talker" in s.get("model", "").lower()]
     layers = 2  # tiny
+    # Decode steps (1-8 rows) through the package's C kernel, built by setup; prefills through ATen's.
     assert talker["talker.int8"] == (
         f"w8-channel ({4 * layers} decoder linears, outlier input columns fp32 from the RMSNorm gains, "
-        "_weight_int8pack_mm)"
+        "_weight_int8pack_mm; C kernel (avx2) for 1-8 rows)"
     ), talker
     # In-situ parity: every forward's positions against the bf16 reference of the same layers.
     assert talker["talker.parity"].startswith("on"), talker

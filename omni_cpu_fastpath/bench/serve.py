@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -57,6 +58,7 @@ STAGES: tuple[tuple[str, str, str | None], ...] = (
     ("engine gap", step_stats.ENGINE_GAP, None),
     ("code2wav", "code2wav.forward_ms", "code2wav"),
 )
+LOG_TAIL_LINES = 80  # of a failed server's log, printed before the error
 TALKER_STAGES = 4  # the first four run one after another in the talker process
 # Also reported in the JSON (totals and counts) where a run records them.
 EXTRA_COUNTERS = (
@@ -250,16 +252,26 @@ def bench_impl(
     t0 = time.monotonic()
     log = workdir / f"server-{impl}.log"
     # A 1.7B talker, or a busy machine, takes longer to start than a server test waits.
-    with commands.running_server(str(model), log, env=env, ready_timeout_s=commands.INIT_TIMEOUT_S) as server:
-        startup_s = time.monotonic() - t0
-        commands.synthesize_streaming(server, TEXT, max_frames=frames, seed=0, sample_rate=sr)  # warm-up
-        # Step lines carry the time they ended: the warm-up's steps end before this.
-        measured_from = time.time()
-        walls, runs = [], []
-        for r in range(requests):
-            wall, speeches = _round(server, concurrency, frames, sr, seed=1 + r * concurrency)
-            walls.append(wall)
-            runs += speeches
+    try:
+        with commands.running_server(
+            str(model), log, env=env, ready_timeout_s=commands.INIT_TIMEOUT_S
+        ) as server:
+            startup_s = time.monotonic() - t0
+            commands.synthesize_streaming(server, TEXT, max_frames=frames, seed=0, sample_rate=sr)  # warm-up
+            # Step lines carry the time they ended: the warm-up's steps end before this.
+            measured_from = time.time()
+            walls, runs = [], []
+            for r in range(requests):
+                wall, speeches = _round(server, concurrency, frames, sr, seed=1 + r * concurrency)
+                walls.append(wall)
+                runs += speeches
+    except Exception:
+        # The work folder goes with the run: say what the server said first.
+        tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.exists() else []
+        sys.stderr.write(
+            f"bench serve: the {impl} server failed; the end of its log:\n" + "\n".join(tail) + "\n"
+        )
+        raise
     audio_s = sum(r.audio_s for r in runs)
     audio_frames = round(sum(r.audio_s for r in runs) * sr / samples_per_frame(model))
     summary = step_stats.summarize_dir(stats_dir, since=measured_from)

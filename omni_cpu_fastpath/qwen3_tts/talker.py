@@ -103,10 +103,14 @@ def build_served_predictor(stock: nn.Module, max_batch: int, on_cpu: bool = True
             served["predictor"] = f"stock ({why})"
     checker = None
     if on_cpu:
+        from omni_cpu_fastpath import cpu_gemv
         from omni_cpu_fastpath.qwen3_tts import quant
 
         # A refused flag combination raises here, at load; a missing kernel keeps float weights.
         predictor, checker, served["predictor.int8"] = quant.prepare_served_predictor(predictor)
+        int8_layers = (quant.Int8Linear, quant.Int8StackedHeads)
+        if any(isinstance(m, int8_layers) for m in predictor.modules()):
+            served["predictor.int8.product"] = cpu_gemv.status()
         if checker is not None:
             checker.candidate = predictor
             served["predictor.parity"] = "on (teacher-forced fp32 copy)"

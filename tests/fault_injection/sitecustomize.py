@@ -6,6 +6,7 @@ is first imported, in whichever process imports it:
 
 - ``kernel-missing``: ``omni_cpu_fastpath.qwen3_tts.sampler._kernel`` cannot be imported (as where no C
   compiler built it);
+- ``gemv-missing``: ``omni_cpu_fastpath._cpu_gemv`` (the few-row product) cannot be imported;
 - ``predictor-construction``: ``CachedCodePredictor.from_stock`` raises;
 - ``compile-at-run-time``: a compiled predictor step works at warm-up and raises at its first
   call after it (as Inductor failing on a shape first seen at a request).
@@ -57,6 +58,8 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == "omni_cpu_fastpath.qwen3_tts.sampler._kernel" and "kernel-missing" in FAULTS:
             raise ImportError("injected: the C kernel is not built")
+        if name == "omni_cpu_fastpath._cpu_gemv" and "gemv-missing" in FAULTS:
+            raise ImportError("injected: the few-row kernel is not built")
         if name == "omni_cpu_fastpath.qwen3_tts.predictor" and FAULTS & {
             "predictor-construction",
             "compile-at-run-time",

@@ -3,7 +3,8 @@
 (applying a config through torchao's ``quantize_``, and from the flags). Parity against the
 higher-precision predictor lives in ``qwen3_tts/parity.py``. ``talker_int8.py`` (not imported here:
 it imports vLLM) is the talker's int8 decoder linears as a vLLM quantization method
-(``VLLM_OMNI_TALKER_INT8``)."""
+(``VLLM_OMNI_TALKER_INT8``). Both multiply 1-8 rows with ``omni_cpu_fastpath/cpu_gemv.py``
+(``VLLM_OMNI_CPU_GEMV``)."""
 
 from .apply import (
     BODY_LINEARS,

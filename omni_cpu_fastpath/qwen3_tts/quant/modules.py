@@ -4,6 +4,8 @@
 weights that ``aten._weight_int8pack_mm`` reads directly, with bf16 activations into the kernel
 (the vectorized path of both the ATen kernel and Inductor's CPP template; no activation
 quantization); input columns of outlier channels (:func:`outlier_channels`) stay fp32 beside it.
+Eager calls of 1-8 rows (decode steps) take the package's kernel instead (``cpu_gemv.py``: the
+same products, ATen's kernel vectorizes only with AVX-512).
 A head table indexed as ``weight[step]`` by a tensor makes Inductor guard on a data-dependent
 value when the table is a frozen constant, and ``index_select`` would copy the head before the GEMM
 reads it, so the int8 and bf16 heads go through small custom ops that the graph calls opaquely on a
@@ -18,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from omni_cpu_fastpath import cpu_gemv
 from omni_cpu_fastpath.qwen3_tts.predictor.layers import stacked_linear
 
 
@@ -53,9 +56,14 @@ def quantize_with_float_columns(
     return (*quantize_per_channel(w), cols, fw)
 
 
-def _int8pack_mm(x2: torch.Tensor, qweight: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
+def _int8pack_mm(
+    x2: torch.Tensor, qweight: torch.Tensor, scales_bf16: torch.Tensor, gemv: bool = False
+) -> torch.Tensor:
     # bf16 activations: the vectorized path of both the ATen kernel and Inductor's CPP template.
-    return torch.ops.aten._weight_int8pack_mm(x2.to(torch.bfloat16), qweight, scales_bf16)
+    x2 = x2.to(torch.bfloat16)
+    if gemv and cpu_gemv.accepts(x2, qweight, scales_bf16):
+        return cpu_gemv.gemv(x2, qweight, scales_bf16)
+    return torch.ops.aten._weight_int8pack_mm(x2, qweight, scales_bf16)
 
 
 def float_columns_product(x2: torch.Tensor, cols: torch.Tensor, float_weight: torch.Tensor) -> torch.Tensor:
@@ -92,6 +100,7 @@ class Int8Linear(nn.Module):
         self.register_buffer(
             "float_weight", None if float_weight is None else float_weight.to(torch.float32).contiguous()
         )
+        self.gemv = cpu_gemv.wanted()  # eager calls of 1-8 rows: the package's kernel
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, float_cols: torch.Tensor | None = None) -> Int8Linear:
@@ -101,7 +110,7 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        y = _int8pack_mm(x2, self.qweight, self.scales).to(x.dtype)
+        y = _int8pack_mm(x2, self.qweight, self.scales, self.gemv).to(x.dtype)
         if self.float_cols is not None:
             y = y + float_columns_product(x2, self.float_cols, self.float_weight).to(x.dtype)
         if self.bias is not None:
@@ -120,28 +129,34 @@ class Int8StackedHeads(nn.Module):
         q, s = quantize_per_channel(weight)
         self.register_buffer("qweight", q)
         self.register_buffer("scales", s.to(torch.bfloat16))
+        self.gemv = cpu_gemv.wanted()
 
     def forward(self, h: torch.Tensor, step: torch.Tensor | int) -> torch.Tensor:
-        return stacked_int8pack_mm(h.to(torch.bfloat16), self.qweight, self.scales, step_index(step)).to(
-            h.dtype
-        )
+        x = h.to(torch.bfloat16)
+        return stacked_int8pack_mm(x, self.qweight, self.scales, step_index(step), self.gemv).to(h.dtype)
 
 
 @torch.library.custom_op("omni_cpu_fastpath::stacked_int8pack_mm", mutates_args=())
 def stacked_int8pack_mm(
-    x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor
+    x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, gemv: bool = False
 ) -> torch.Tensor:
-    """``_weight_int8pack_mm(x, qtable[index], scales[index])`` on views of ``[S, N, K]`` tables.
+    """``_weight_int8pack_mm(x, qtable[index], scales[index])`` on views of ``[S, N, K]`` tables
+    (``gemv``: the package's kernel for 1-8 rows, also inside a compiled graph, which calls this
+    op as it is).
 
     Opaque to the compiler (as ``predictor.layers.stacked_linear``): a tensor subscript of a frozen constant
     makes Inductor guard on its value, and index_select would copy the head before reading it.
     """
     i = int(index.reshape(()))
+    if gemv and cpu_gemv.accepts(x, qtable[i], scales[i]):
+        return cpu_gemv.gemv(x, qtable[i], scales[i])
     return torch.ops.aten._weight_int8pack_mm(x, qtable[i], scales[i])
 
 
 @stacked_int8pack_mm.register_fake
-def _(x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def _(
+    x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, gemv: bool = False
+) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], qtable.shape[1]))
 
 

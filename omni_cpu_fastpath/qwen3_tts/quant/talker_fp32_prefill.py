@@ -1,4 +1,5 @@
-"""The talker's bf16 decoder linears, with many-row calls (a prompt's prefill) computed in fp32.
+"""The talker's bf16 decoder linears, with many-row calls (a prompt's prefill) computed in fp32
+and few-row calls (decode steps) through the package's kernel.
 
 On a CPU without native bf16 (no AVX512-BF16, no AMX) torch emulates a bf16 matrix product row by
 row, so its cost grows with the rows: a prompt of a hundred tokens through the talker's decoder
@@ -6,7 +7,10 @@ takes several times longer in bf16 than widening the weights to fp32 and running
 while one decode row is fastest in bf16 (half the bytes read). This method keeps the weights in
 bf16 and, from :data:`FP32_ROWS` rows up, multiplies in fp32 and rounds the output to bf16: the
 same products and fp32 accumulation that the bf16 kernel performs, in another order, so the result
-differs from it only in the last bit of some outputs (not bit-equal to the stock talker).
+differs from it only in the last bit of some outputs (not bit-equal to the stock talker). Calls of
+1-8 rows on bf16 weights go to ``cpu_gemv`` (``VLLM_OMNI_CPU_GEMV``), which reads each weight once
+for all rows where the emulated kernel is compute-bound from two rows up: the same products, also
+accumulated in fp32.
 
 ``VLLM_OMNI_TALKER_FP32_PREFILL`` selects it (``auto``: where this CPU lacks native bf16) for the
 talker stage when talker int8 is off, through the same vLLM quantization-method road as
@@ -25,6 +29,7 @@ from vllm.model_executor.layers.linear import LinearBase, LinearMethodBase, Unqu
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.platforms import current_platform
 
+from omni_cpu_fastpath import cpu_gemv
 from omni_cpu_fastpath.serving.stage_settings import TALKER_FP32_PREFILL_METHOD
 
 from .talker_int8 import is_talker_decoder_linear
@@ -37,7 +42,8 @@ _HALF = (torch.bfloat16, torch.float16)
 
 class Fp32PrefillLinearMethod(UnquantizedLinearMethod):
     """vLLM's unquantized method, except that a call of :data:`FP32_ROWS` rows or more on half
-    weights runs ``F.linear`` in fp32 (weights widened per call) and rounds to the input dtype."""
+    weights runs ``F.linear`` in fp32 (weights widened per call) and rounds to the input dtype, and
+    a call of 1-8 rows on bf16 weights runs ``cpu_gemv`` (when :func:`cpu_gemv.wanted`)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if current_platform.is_cpu() and layer.weight.dtype in _HALF:
@@ -46,20 +52,34 @@ class Fp32PrefillLinearMethod(UnquantizedLinearMethod):
             # Keep the float weight: the fp32 call widens it (vLLM's CPU dispatch may otherwise
             # replace it with a packed copy only its own kernel reads).
             dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+            layer.cpu_gemv = layer.weight.dtype is torch.bfloat16 and cpu_gemv.wanted()
             return
         super().process_weights_after_loading(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         weight = layer.weight
-        if weight.dtype not in _HALF or x.numel() < FP32_ROWS * x.shape[-1]:
+        if weight.dtype not in _HALF:
             return super().apply(layer, x, bias)
-        return fp32_linear(x, weight, bias)
+        if x.numel() >= FP32_ROWS * x.shape[-1]:
+            return fp32_linear(x, weight, bias)
+        if getattr(layer, "cpu_gemv", False):
+            x2 = x.reshape(-1, x.shape[-1])
+            if cpu_gemv.accepts(x2, weight):
+                return few_rows_linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
+        return super().apply(layer, x, bias)
 
 
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` with inputs, weights and bias widened to fp32, out in ``x.dtype``."""
     b = None if bias is None else bias.float()
     return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+def few_rows_linear(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` of 1-8 rows by ``cpu_gemv``, accumulated and biased in fp32, rounded once."""
+    if bias is None:
+        return cpu_gemv.gemv(x2, weight)
+    return (cpu_gemv.gemv(x2, weight, out_dtype=torch.float32) + bias.float()).to(x2.dtype)
 
 
 class TalkerFp32PrefillConfig(QuantizationConfig):
@@ -102,4 +122,7 @@ def served_status(model: nn.Module, quant_config: Any, dtype: torch.dtype) -> st
         return f"model dtype ({name}: nothing to widen)"
     methods = (getattr(m, "quant_method", None) for m in model.modules())
     count = sum(isinstance(method, Fp32PrefillLinearMethod) for method in methods)
-    return f"fp32 from {FP32_ROWS} rows ({count} decoder linears; fewer rows in {name})"
+    fewer = f"fewer rows in {name}"
+    if dtype is torch.bfloat16 and cpu_gemv.wanted():  # what each layer reads when it is processed
+        fewer = f"1-{cpu_gemv.MAX_ROWS} rows: {cpu_gemv.status()}; other rows in {name}"
+    return f"fp32 from {FP32_ROWS} rows ({count} decoder linears; {fewer})"

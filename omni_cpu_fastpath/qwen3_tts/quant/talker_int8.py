@@ -16,7 +16,8 @@ unquantized defaults). The code predictor is built from ``nn.Linear`` and has it
 Schemes. Both quantize the checkpoint's float weights, once loaded, to symmetric int8 per output
 channel (scale = row max / 127) and run ``aten._weight_int8pack_mm`` with bf16 activations (on
 AVX2 its fp32 path is 10-30x slower; bf16 keeps 8 mantissa bits whatever a channel's magnitude),
-output in the activation dtype. Activations are never quantized.
+output in the activation dtype (decode steps of 1-8 rows: the package's kernel, ``cpu_gemv.py``).
+Activations are never quantized.
 
 - ``w8-plain``: only that.
 - ``w8-channel``: as the predictor's ``w8-channel``, the input columns of outlier channels stay
@@ -56,7 +57,7 @@ from vllm.model_executor.layers.quantization import QuantizationConfig, register
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from omni_cpu_fastpath import envs
+from omni_cpu_fastpath import cpu_gemv, envs
 from omni_cpu_fastpath.errors import describe
 from omni_cpu_fastpath.serving.stage_settings import TALKER_FP32_PREFILL_METHOD, TALKER_INT8_METHODS
 
@@ -145,12 +146,20 @@ class TalkerW8LinearMethod(LinearMethodBase):
         # The float parameter is no longer read; vLLM's CPU unquantized path leaves the same empty stub.
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         self.kernel = kernel_status() is None
+        layer.cpu_gemv = cpu_gemv.wanted()  # decode steps of 1-8 rows: the package's kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if _REFERENCE.get() and layer.reference_weight is not None:
             return F.linear(x, layer.reference_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         return int8_linear(
-            x, layer.qweight, layer.scales, bias, self.kernel, layer.float_cols, layer.float_weight
+            x,
+            layer.qweight,
+            layer.scales,
+            bias,
+            self.kernel,
+            layer.float_cols,
+            layer.float_weight,
+            gemv=getattr(layer, "cpu_gemv", False),
         )
 
 
@@ -185,12 +194,16 @@ def int8_linear(
     kernel: bool = True,
     float_cols: torch.Tensor | None = None,
     float_weight: torch.Tensor | None = None,
+    gemv: bool = False,
 ) -> torch.Tensor:
     """``x @ (qweight * scales[:, None]).T (+ x[:, float_cols] @ float_weight.T) (+ bias)`` with bf16
-    activations into the int8 product, out in ``x.dtype``."""
+    activations into the int8 product, out in ``x.dtype`` (``gemv``: the package's kernel for 1-8
+    rows, eager)."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k).to(torch.bfloat16)
-    if kernel:
+    if gemv and cpu_gemv.accepts(x2, qweight, scales):
+        y = cpu_gemv.gemv(x2, qweight, scales)
+    elif kernel:
         y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)
     else:
         # Where this torch build lacks the kernel: the same arithmetic, dequantizing every call.
@@ -292,5 +305,7 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
     count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
     why = kernel_status()
     kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
+    if why is None and cpu_gemv.wanted():  # what each layer reads when it is processed
+        kernel = f"{kernel}; {cpu_gemv.status()}"
     cols = ", outlier input columns fp32 from the RMSNorm gains" if quant_config.float_columns else ""
     return f"{quant_config.scheme} ({count} decoder linears{cols}, {kernel})"

@@ -1,17 +1,22 @@
-"""pytest-benchmark: one talker prefill (a 100-token prompt through the decoder and codec head) in
-bf16, stock linears against the fp32-prefill linears (``VLLM_OMNI_TALKER_FP32_PREFILL``).
+"""pytest-benchmark: the bf16 talker's decoder linears, stock (vLLM's) against the package's
+method for CPUs without native bf16 (``VLLM_OMNI_TALKER_FP32_PREFILL``): one prefill (a 100-token
+prompt through the decoder and codec head, in fp32 there) and one decode step at 1 and 8 rows
+(through the few-row kernel there, ``VLLM_OMNI_CPU_GEMV``).
 
 Run with ``make bench``; with the repository default ``--benchmark-disable`` each body runs once
 as a smoke test. ``OMNI_BENCH_DIMS`` (default ``0.6b``) picks the dimensions of the random
 checkpoint. Speed is reported, never asserted. Each row's ``extra_info``: ``ms_per_prefill``,
 ``tokens``, ``cpu``, ``native_bf16`` and, for the fp32-prefill row, ``speedup_vs_stock-bf16``
 (measured in the same session). A prefill is compute-bound: the floor beside it is the bf16
-weights read once (``floor_ms``), which no prompt of this length approaches.
+weights read once (``floor_ms``), which no prompt of this length approaches. A decode step reads
+every weight once: ``floor_ms`` is its bound, and rows report ``ms_per_step`` (the median of the
+steps after a 16-position context) and ``ratio_to_floor``.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +82,58 @@ def test_talker_prefill(benchmark: Any, prefill_setup: dict[str, Any], row: str)
     )
     if row != "stock-bf16" and "stock-bf16" in prefill_setup["session"]:
         benchmark.extra_info["speedup_vs_stock-bf16"] = prefill_setup["session"]["stock-bf16"] / ms
+
+
+DECODE_CONTEXT = 16  # a short context: the stock rows prefill it in emulated bf16
+DECODE_STEPS = 8
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("row", ["stock-bf16", "fp32-prefill"])
+def test_talker_decode_step(benchmark: Any, prefill_setup: dict[str, Any], row: str, rows: int) -> None:
+    import torch
+    from vllm.config.vllm import set_current_vllm_config
+
+    from omni_cpu_fastpath.qwen3_tts import talker_parity
+
+    model, cfg = prefill_setup["builds"][row]
+    embeds = talker_parity.make_embeds(model, rows, DECODE_CONTEXT + DECODE_STEPS).to(torch.bfloat16)
+    ids = talker_parity.codec_ids(model)
+
+    def steps() -> torch.Tensor:
+        cache = talker_parity.KVCache()
+        talker_parity.decoder_forward(model, embeds[:, :DECODE_CONTEXT], cache)
+        times = []
+        for s in range(DECODE_STEPS):
+            at = DECODE_CONTEXT + s
+            t0 = time.perf_counter()
+            h = talker_parity.decoder_forward(model, embeds[:, at : at + 1], cache, start=at)
+            logits = talker_parity.codec_logits(model, h, ids)
+            times.append(time.perf_counter() - t0)
+        step_ms.append(1e3 * sorted(times)[len(times) // 2])
+        return logits
+
+    step_ms: list[float] = []
+    benchmark.group = f"talker decode step ({DIMS}, {rows} rows, bf16)"
+    with torch.inference_mode(), set_current_vllm_config(cfg):
+        logits = benchmark.pedantic(steps, rounds=2)
+    assert logits.shape[0] == rows and bool(torch.isfinite(logits).all())
+    if getattr(benchmark, "stats", None) is None:  # --benchmark-disable: nothing was timed
+        return
+    ms = min(step_ms)
+    name = f"{row}-decode-{rows}"
+    prefill_setup["session"][name] = ms
+    benchmark.extra_info.update(
+        {
+            "ms_per_step": ms,
+            "rows": rows,
+            "floor_ms": prefill_setup["floor_ms"],
+            "ratio_to_floor": ms / prefill_setup["floor_ms"],
+            "cpu": prefill_setup["cpu"],
+            "native_bf16": prefill_setup["native_bf16"],
+            "load_1min": os.getloadavg()[0],
+        }
+    )
+    stock = f"stock-bf16-decode-{rows}"
+    if name != stock and stock in prefill_setup["session"]:
+        benchmark.extra_info["speedup_vs_stock-bf16"] = prefill_setup["session"][stock] / ms

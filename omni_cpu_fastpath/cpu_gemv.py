@@ -1,0 +1,138 @@
+"""Matrix products for a few rows on CPU (``_cpu_gemv.c``): loading the kernel, checking it, calling it.
+
+``y = (x @ w.T) * scale`` for 1 to :data:`MAX_ROWS` rows of bf16 or float32 ``x`` and int8
+(per-output-channel ``scale``) or bf16 weights ``w``: the decode steps of the talker and the code
+predictor. The kernel streams each weight row once for every row of ``x`` (AVX2 where the CPU has
+it), where torch's kernels for the same products run far above the weight-streaming floor on CPUs
+without AVX-512 (ATen's ``_weight_int8pack_mm`` vectorizes only with AVX-512; bf16 products are
+emulated without AVX512-BF16). Products are exact in float32; only the summation order differs
+from torch's, and a row's result does not depend on its batch neighbours or the thread count.
+
+Eager calls only: compiled graphs keep torch's ops, which Inductor's GEMM templates replace. A
+layer decides when it is built (:func:`wanted`): not where the extension was not built or
+``VLLM_OMNI_CPU_GEMV=0``; :func:`status` says which. Once per process the kernel is checked
+against a float64 product, and a kernel that disagrees is not used (the status says so).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from omni_cpu_fastpath import envs
+
+logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
+
+MAX_ROWS = 8
+_ACTIVATIONS = (torch.bfloat16, torch.float32)
+_WEIGHT_KINDS = {torch.int8: 0, torch.bfloat16: 1}
+_OFF = "torch's kernels (VLLM_OMNI_CPU_GEMV=0)"
+
+
+@functools.cache
+def _extension() -> tuple[Any, str]:
+    """The built and checked extension (or None), and what serves few-row products with it."""
+    try:
+        from omni_cpu_fastpath import _cpu_gemv  # type: ignore[attr-defined]
+    except ImportError as exc:
+        why = f"the C kernel is not built ({type(exc).__name__}: {exc})"
+        logger.warning("few-row products: %s; torch's kernels serve them", why)
+        return None, f"torch's kernels ({why}; reinstall with a C compiler to build it)"
+    error = _self_check(_cpu_gemv)
+    if error is not None:
+        logger.warning("few-row products: the C kernel disagrees with float64 (%s); torch serves them", error)
+        return None, f"torch's kernels (the C kernel failed its check: {error})"
+    return _cpu_gemv, f"C kernel ({_cpu_gemv.simd()}) for 1-{MAX_ROWS} rows"
+
+
+def wanted() -> bool:
+    """Whether layers built now take the kernel: ``VLLM_OMNI_CPU_GEMV`` on and the kernel usable.
+
+    Layers read this once, when they are built, not per call."""
+    return bool(envs.get("VLLM_OMNI_CPU_GEMV")) and _extension()[0] is not None
+
+
+def status() -> str:
+    """What serves few-row products in layers built now, in words."""
+    if not envs.get("VLLM_OMNI_CPU_GEMV"):
+        return _OFF
+    return _extension()[1]
+
+
+def accepts(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
+    """Whether :func:`gemv` takes these operands (else the caller takes torch's op)."""
+    return (
+        not torch.compiler.is_compiling()
+        and x2.dim() == 2
+        and 1 <= x2.shape[0] <= MAX_ROWS
+        and x2.dtype in _ACTIVATIONS
+        and x2.device.type == "cpu"
+        and weight.dtype in _WEIGHT_KINDS
+        and weight.dim() == 2
+        and weight.stride(1) == 1
+        and weight.shape[1] == x2.shape[1]
+        and (
+            scales is None
+            or (scales.dtype in _ACTIVATIONS and scales.shape == weight.shape[:1] and scales.is_contiguous())
+        )
+    )
+
+
+def gemv(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``(x2 @ weight.T) * scales`` as ``[rows, N]`` in ``out_dtype`` (default: ``x2``'s dtype).
+
+    For layers built with :func:`wanted` true, on operands :func:`accepts` takes.
+    """
+    ext = _extension()[0]
+    x2 = x2.contiguous()
+    rows, k = x2.shape
+    n = weight.shape[0]
+    out_dtype = out_dtype or x2.dtype
+    y = torch.empty(rows, n, dtype=out_dtype)
+    ext.gemv(
+        x2.data_ptr(),
+        x2.dtype is torch.bfloat16,
+        rows,
+        k,
+        weight.data_ptr(),
+        _WEIGHT_KINDS[weight.dtype],
+        weight.stride(0),
+        n,
+        0 if scales is None else scales.data_ptr(),
+        scales is not None and scales.dtype is torch.bfloat16,
+        y.data_ptr(),
+        out_dtype is torch.bfloat16,
+        torch.get_num_threads(),
+    )
+    return y
+
+
+def _self_check(ext: Any) -> str | None:
+    """None when the kernel matches a float64 product on odd shapes, else what differed."""
+    g = torch.Generator().manual_seed(0)
+    f32 = torch.float32  # explicit: vLLM loads a model under its dtype as torch's default
+    for rows, k, n in ((1, 1037, 70), (3, 64, 33), (8, 200, 17)):
+        x = torch.randn(rows, k, generator=g, dtype=f32)
+        s = torch.rand(n, generator=g, dtype=f32) / 100
+        int8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        bf16 = torch.randn(n, k, generator=g, dtype=f32).to(torch.bfloat16)
+        for w, kind, scale in ((int8, 0, s), (bf16, 1, None)):
+            y = torch.empty(rows, n, dtype=f32)
+            ptrs = (x.data_ptr(), w.data_ptr(), 0 if scale is None else scale.data_ptr(), y.data_ptr())
+            ext.gemv(ptrs[0], False, rows, k, ptrs[1], kind, k, n, ptrs[2], False, ptrs[3], False, 1)
+            sd = 1.0 if scale is None else scale.double()
+            ref = (x.double() @ w.double().T) * sd
+            # float32: k rounded products, k - 1 additions, the scale's product, each within 2^-24.
+            bound = (k + 2) * 2.0**-24 * ((x.double().abs() @ w.double().abs().T) * sd) + 1e-30
+            if not bool(((y.double() - ref).abs() <= bound).all()):
+                err = (y.double() - ref).abs().max().item()
+                return f"{w.dtype} rows={rows} k={k} n={n}: max error {err:.3g}"
+    return None

@@ -1,0 +1,232 @@
+"""The C product for 1-8 rows (``_cpu_gemv.c``) against float64, ATen's ``_weight_int8pack_mm`` and
+vLLM's bf16 CPU linear, and the layers' choice between them (``VLLM_OMNI_CPU_GEMV``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+
+from omni_cpu_fastpath import cpu_gemv
+from omni_cpu_fastpath.qwen3_tts import quant
+
+
+def _operands(rows: int, k: int, n: int, x_dtype: torch.dtype, s_dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(x_dtype)
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = (torch.rand(n, generator=g) / 50 + 1e-3).to(s_dtype)
+    return x, q, s
+
+
+def _bf16_weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
+    return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).to(torch.bfloat16)
+
+
+def _reference_and_bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, out: torch.dtype):
+    """float64 product of the same (rounded) inputs, and the error float32 arithmetic may add: k
+    rounded products, k - 1 additions and the scale's product, each within 2^-24 of the absolute
+    sum (a bf16 x times an int8 or bf16 weight is exact), plus the output's own rounding."""
+    xd, qd, sd = x.double(), q.double(), (1.0 if s is None else s.double())
+    ref = (xd @ qd.T) * sd
+    bound = (q.shape[1] + 2) * 2.0**-24 * (xd.abs() @ qd.abs().T) * sd
+    if out is torch.bfloat16:
+        bound = bound + ref.abs() * 2.0**-8
+    return ref, bound + 1e-30
+
+
+def test_the_kernel_is_built_and_checked() -> None:
+    # setup builds it; without it the int8 layers run ATen's kernel, and this test says so.
+    assert cpu_gemv.wanted(), cpu_gemv.status()
+    assert cpu_gemv.status().startswith("C kernel ("), cpu_gemv.status()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("k", [1, 7, 16, 200, 1037])
+@pytest.mark.parametrize("x_dtype,s_dtype", [(torch.bfloat16,) * 2, (torch.float32,) * 2])
+def test_gemv_equals_float64_within_float32_accumulation(rows, k, x_dtype, s_dtype) -> None:
+    x, q, s = _operands(rows, k, 37, x_dtype, s_dtype, seed=rows * 1000 + k)
+    w = _bf16_weight(37, k, seed=k)
+    for weight, scales in ((q, s), (w, None), (w, s)):
+        assert cpu_gemv.accepts(x, weight, scales)
+        for out in (x_dtype, torch.float32):
+            y = cpu_gemv.gemv(x, weight, scales, out_dtype=out)
+            assert y.dtype == out and y.shape == (rows, 37)
+            ref, bound = _reference_and_bound(x, weight, scales, out)
+            err = (y.double() - ref).abs()
+            assert bool((err <= bound).all()), (weight.dtype, err.max().item(), bound.min().item())
+
+
+def test_gemv_matches_atens_int8pack_mm_on_bf16() -> None:
+    """Both multiply the same bf16 activations by the same int8 rows; only the summation order
+    and, for the output, one bf16 rounding may differ."""
+    x, q, s = _operands(8, 1024, 512, torch.bfloat16, torch.bfloat16, seed=3)
+    for rows in (1, 2, 8):
+        ours = cpu_gemv.gemv(x[:rows], q, s)
+        aten = torch.ops.aten._weight_int8pack_mm(x[:rows], q, s)
+        ref, bound = _reference_and_bound(x[:rows], q, s, torch.bfloat16)
+        assert bool(((ours.double() - ref).abs() <= bound).all())
+        assert bool(((aten.double() - ref).abs() <= bound).all())  # the same bound holds for ATen
+
+
+def test_each_row_is_the_same_alone_and_in_any_batch_and_thread_count() -> None:
+    """A request's result must not depend on its batch neighbours or the thread count: every row
+    is summed in the same order in groups of 1-4 rows, and each output channel by one thread."""
+    x, q, s = _operands(8, 300, 70, torch.bfloat16, torch.bfloat16, seed=4)
+    alone = torch.cat([cpu_gemv.gemv(x[i : i + 1], q, s) for i in range(8)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            for rows in (2, 3, 5, 8):
+                assert torch.equal(cpu_gemv.gemv(x[:rows], q, s), alone[:rows]), (t, rows)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_strided_weight_view_is_read_in_place() -> None:
+    # The stacked heads hand the kernel views; a column slice has a row stride above k.
+    x, q, s = _operands(2, 96, 40, torch.bfloat16, torch.bfloat16, seed=5)
+    wide = torch.randint(-127, 128, (40, 160), dtype=torch.int8)
+    wide[:, :96] = q
+    view = wide[:, :96]
+    assert view.stride(0) == 160
+    assert cpu_gemv.accepts(x, view, s)
+    assert torch.equal(cpu_gemv.gemv(x, view, s), cpu_gemv.gemv(x, q, s))
+
+
+@pytest.mark.parametrize(
+    "why, x, q, s",
+    [
+        ("9 rows", torch.zeros(9, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)),
+        ("fp16 x", torch.zeros(1, 8).half(), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)),
+        ("int16 weight", torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.int16), torch.ones(4)),
+        ("k mismatch", torch.zeros(1, 9), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4)),
+        ("scales shape", torch.zeros(1, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(5)),
+        ("column stride", torch.zeros(1, 4), torch.zeros(8, 4, dtype=torch.int8).T, torch.ones(4)),
+    ],
+)
+def test_operands_the_kernel_does_not_take_go_to_aten(why, x, q, s) -> None:
+    assert not cpu_gemv.accepts(x, q, s), why
+
+
+def test_bad_arguments_to_the_extension_raise_not_crash() -> None:
+    ext = cpu_gemv._extension()[0]
+    x, q, s = _operands(1, 8, 4, torch.float32, torch.float32)
+    y = torch.empty(1, 4)
+    args = [x.data_ptr(), False, 1, 8, q.data_ptr(), 0, 8, 4, s.data_ptr(), False, y.data_ptr(), False, 1]
+    ext.gemv(*args)  # these are valid
+    for i, bad in ((2, 0), (2, 9), (3, 0), (5, 2), (5, -1), (6, 7), (7, 0), (12, 0)):
+        wrong = list(args)
+        wrong[i] = bad
+        with pytest.raises(ValueError, match="rows must be 1..8"):
+            ext.gemv(*wrong)
+
+
+def _linear(seed: int = 6) -> nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(256, 96, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(96, 256, generator=g) * 0.05)
+        lin.bias.copy_(torch.randn(96, generator=g) * 0.1)
+    return lin
+
+
+def test_int8_linear_takes_the_kernel_for_few_rows_and_aten_otherwise(monkeypatch) -> None:
+    lin = _linear()
+    on = quant.Int8Linear.from_linear(lin)
+    monkeypatch.setenv("VLLM_OMNI_CPU_GEMV", "0")
+    off = quant.Int8Linear.from_linear(lin)
+    assert on.gemv and not off.gemv
+    assert cpu_gemv.status() == "torch's kernels (VLLM_OMNI_CPU_GEMV=0)"
+    x = torch.randn(3, 256).to(torch.bfloat16)
+    aten = torch.ops.aten._weight_int8pack_mm(x, off.qweight, off.scales) + off.bias.to(torch.bfloat16)
+    assert torch.equal(off(x), aten)  # flag off: exactly ATen's product
+    kernel = cpu_gemv.gemv(x, on.qweight, on.scales) + on.bias.to(torch.bfloat16)
+    assert torch.equal(on(x), kernel)  # flag on: exactly the kernel's
+    big = torch.randn(9, 256).to(torch.bfloat16)  # above 8 rows: ATen's, flag or not
+    assert torch.equal(on(big), off(big))
+
+
+def test_int8_stacked_heads_take_the_kernel(monkeypatch) -> None:
+    g = torch.Generator().manual_seed(7)
+    table = torch.randn(15, 64, 128, generator=g) * 0.05
+    on = quant.Int8StackedHeads(table)
+    monkeypatch.setenv("VLLM_OMNI_CPU_GEMV", "0")
+    off = quant.Int8StackedHeads(table)
+    h = torch.randn(2, 128, generator=g).to(torch.bfloat16)
+    for step in (0, 14):
+        want = cpu_gemv.gemv(h, on.qweight[step], on.scales[step])
+        assert torch.equal(on(h, torch.tensor(step)), want)
+        aten = torch.ops.aten._weight_int8pack_mm(h, off.qweight[step], off.scales[step])
+        assert torch.equal(off(h, torch.tensor(step)), aten)
+    torch.library.opcheck(quant.stacked_int8pack_mm, (h, on.qweight, on.scales, torch.tensor([2]), True))
+
+
+def test_one_openmp_runtime_is_loaded() -> None:
+    """The kernel links libgomp.so.1 by name: with torch loaded first, the loader hands it torch's
+    own runtime, so the two share one thread pool instead of oversubscribing the cores."""
+    code = (
+        "import torch\n"
+        "from omni_cpu_fastpath import cpu_gemv\n"
+        "assert cpu_gemv.wanted()\n"
+        "x = torch.randn(2, 64).bfloat16(); q = torch.ones(32, 64, dtype=torch.int8)\n"
+        "cpu_gemv.gemv(x, q, torch.ones(32).bfloat16())\n"
+        "paths = {line.split()[-1] for line in open('/proc/self/maps') if 'gomp' in line}\n"
+        "print(sorted(paths))\n"
+        "assert len(paths) == 1, paths\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_load_check_and_the_product_hold_under_a_bf16_default_dtype() -> None:
+    """vLLM builds and loads a bf16 model with torch's default dtype set to bf16, where the
+    kernel is first loaded and checked: no tensor here may take its dtype from that default."""
+    ext = cpu_gemv._extension()[0]
+    x, q, s = _operands(2, 100, 30, torch.bfloat16, torch.bfloat16, seed=8)
+    want = cpu_gemv.gemv(x, q, s)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        assert cpu_gemv._self_check(ext) is None
+        assert torch.equal(cpu_gemv.gemv(x, q, s), want)
+        assert cpu_gemv.gemv(x.float(), q, s.float()).dtype == torch.float32
+    finally:
+        torch.set_default_dtype(prev)
+
+
+def test_talker_int8_linear_takes_the_kernel_for_decode_rows() -> None:
+    from omni_cpu_fastpath.qwen3_tts.quant.modules import float_columns_product, quantize_with_float_columns
+    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import int8_linear
+
+    g = torch.Generator().manual_seed(9)
+    weight = torch.randn(80, 192, generator=g) * 0.05
+    q, s, cols, fw = quantize_with_float_columns(weight, torch.tensor([5, 77]))
+    s = s.to(torch.bfloat16)
+    for rows in (1, 4, 8, 12):
+        x = torch.randn(rows, 192, generator=g).to(torch.bfloat16)
+        got = int8_linear(x, q, s, float_cols=cols, float_weight=fw, gemv=True)
+        product = cpu_gemv.gemv(x, q, s) if rows <= 8 else torch.ops.aten._weight_int8pack_mm(x, q, s)
+        assert torch.equal(got, product + float_columns_product(x, cols, fw).to(torch.bfloat16)), rows
+
+
+def test_bf16_weights_match_vllms_cpu_linear_within_rounding() -> None:
+    """vLLM's CPU linear of bf16 weights (oneDNN here, emulated without AVX512-BF16) multiplies the
+    same bf16 values and accumulates in fp32: both within the same bound of float64."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layer = nn.Module()
+    layer.weight = nn.Parameter(_bf16_weight(300, 512, seed=10), requires_grad=False)
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(11)).to(torch.bfloat16)
+    for rows in (1, 3, 8):
+        ours = cpu_gemv.gemv(x[:rows], layer.weight)
+        with torch.inference_mode():
+            vllm = layer.cpu_linear(x[:rows], layer.weight, None)
+        ref, bound = _reference_and_bound(x[:rows], layer.weight, None, torch.bfloat16)
+        assert bool(((ours.double() - ref).abs() <= bound).all()), rows
+        assert bool(((vllm.double() - ref).abs() <= bound).all()), rows
