@@ -148,9 +148,7 @@ def stacked_int8pack_mm(
     makes Inductor guard on its value, and index_select would copy the head before reading it.
     """
     i = int(index.reshape(()))
-    if gemv and cpu_gemv.accepts(x, qtable[i], scales[i]):
-        return cpu_gemv.gemv(x, qtable[i], scales[i])
-    return torch.ops.aten._weight_int8pack_mm(x, qtable[i], scales[i])
+    return _int8pack_mm(x, qtable[i], scales[i], gemv)
 
 
 @stacked_int8pack_mm.register_fake
