@@ -184,6 +184,20 @@ FLAGS: dict[str, Flag] = {
             "its next chunk), wait this long before the next (0: vLLM's own pace, a step every ~1 ms).",
         ),
         Flag(
+            "VLLM_OMNI_CORE_SHARING",
+            "bool",
+            "0",
+            "1: where code2wav runs on the talker's cores (fewer than 4 CPUs), the talker takes one "
+            "torch thread while a code2wav step runs, all of them otherwise (0: always all).",
+        ),
+        Flag(
+            "VLLM_OMNI_SHARED_CORES",
+            "bool",
+            "0",
+            "Set per stage by the CPU deploy config, not by hand: 1 where code2wav shares the talker's "
+            "cores.",
+        ),
+        Flag(
             "VLLM_OMNI_SPARK",
             "bool",
             "1",

@@ -53,6 +53,12 @@ PREDICTOR_SUBSTEP = "predictor.substep_ms"
 PREDICTOR_LOOP = "predictor.loop_ms"
 # Talker step wall time outside talker MTP, forward and sampling (the CPU AR runner).
 ENGINE_GAP = "engine.gap_ms"
+# Tokens the talker's engine step ran through the model (the CPU AR runner): a prompt's length
+# in its prefill step, one per sequence in a decode step.
+ENGINE_TOKENS = "engine.scheduled_tokens"
+# Torch threads of each talker forward / talker-MTP call where code2wav shares the talker's cores
+# (serving/core_sharing.py): 1 while stepped down.
+TALKER_THREADS = "talker.threads"
 # Engine steps of a stage that scheduled nothing (all its requests waiting for input), counted by
 # the CPU generation runner and recorded with the next step that ran something.
 ENGINE_EMPTY_STEPS = "engine.empty_steps"

@@ -184,3 +184,46 @@ def test_talker_params_per_step_by_hand() -> None:
     layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024
     assert talker_params_per_step(build_config("0.6b")) == 28 * layer + 1024 + 3072 * 1024
     assert math.isclose(talker_params_per_step(build_config("1.7b")) / 1e9, 1.41, abs_tol=0.02)
+
+
+def test_floor_rtf_adds_the_stage_floors_over_a_frame(tmp_path: Path) -> None:
+    _write_lines(tmp_path / "1.jsonl", 1, [(1.0, {"model.forward_ms": [8.0], "code2wav.forward_ms": [9.0]})])
+    summary = step_stats.summarize_dir(tmp_path)
+    rows = serve.stage_table(summary, 2, {"talker": 20.0, "predictor": 36.0, "code2wav": 24.0})
+    # 20 + 36 + 24 ms of floors per 80 ms frame: real time at best.
+    assert serve.floor_rtf(rows) == pytest.approx(1.0)
+    small = serve.stage_table(summary, 2, {"talker": 2.0, "predictor": 2.0, "code2wav": 4.0})
+    assert serve.floor_rtf(small) == pytest.approx(0.1)
+    # A stage without its floor (no probe) gives no figure rather than a flattering one.
+    assert serve.floor_rtf(serve.stage_table(summary, 2, {"talker": 20.0, "predictor": 36.0})) is None
+
+
+def test_talker_prefill_flops_by_hand() -> None:
+    from omni_cpu_fastpath.bench.floor import talker_prefill_flops
+    from omni_cpu_fastpath.testing.checkpoint import build_config
+
+    # The released 0.6B talker: each prompt token through 28 layers of hidden 1024 and the final
+    # norm; the codec head (3072 x 1024) for the last position only.
+    layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024
+    body, head = 28 * layer + 1024, 3072 * 1024
+    config = build_config("0.6b")
+    assert talker_prefill_flops(config, 1) == 2 * (body + head)
+    assert talker_prefill_flops(config, 30) == 2 * (30 * body + head)
+
+
+def test_ttfa_floor_adds_the_prefill_and_one_frame_per_request(tmp_path: Path) -> None:
+    from omni_cpu_fastpath.bench.floor import talker_prefill_flops
+    from omni_cpu_fastpath.testing.checkpoint import build_config
+
+    config = build_config("0.6b")
+    _write_lines(tmp_path / "1.jsonl", 1, [(1.0, {"model.forward_ms": [8.0]})])
+    rows = serve.stage_table(
+        step_stats.summarize_dir(tmp_path), 2, {"talker": 20.0, "predictor": 36.0, "code2wav": 24.0}
+    )
+    peak = 100.0  # GFLOP/s: 1 GFLOP takes 10 ms
+    prefill_ms = talker_prefill_flops(config, 30) / 1e8
+    assert 250 < prefill_ms < 280  # about 0.88 GFLOP per token at 0.6B
+    assert serve.ttfa_floor_ms(config, 30, rows, 1, peak) == pytest.approx(prefill_ms + 80.0)
+    # Two requests' prompts in one step: their first frames (floors per frame) both come first.
+    assert serve.ttfa_floor_ms(config, 60, rows, 2, peak) == pytest.approx(2 * prefill_ms + 160.0, rel=1e-3)
+    assert serve.ttfa_floor_ms(config, 0, rows, 1, peak) is None  # no prompt recorded: no figure

@@ -184,10 +184,15 @@ def test_platform_hook_and_deploy_config_give_each_stage_the_same_settings(
 def test_cpu_stage_envs_split_the_cores(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     talker, code2wav = stage_settings.cpu_stage_envs([0, 1])
-    assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1"}
-    assert code2wav == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+    # Two CPUs: code2wav's thread runs on the talker's cores, and both stages know it.
+    assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_OMNI_SHARED_CORES": "1"}
+    assert code2wav == {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_OMNI_SHARED_CORES": "1",
+    }
     talker, code2wav = stage_settings.cpu_stage_envs(list(range(8)))
-    assert talker["VLLM_CPU_OMP_THREADS_BIND"] == "0,1,2,3,4,5,6"
+    assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3,4,5,6"}
     assert code2wav == {"VLLM_CPU_OMP_THREADS_BIND": "7"}
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|")
     assert stage_settings.cpu_stage_envs([0, 1]) == ({}, {})

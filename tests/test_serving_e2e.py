@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import wave
+from collections.abc import Callable
 from io import BytesIO
 from pathlib import Path
 
@@ -44,6 +45,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         "VLLM_OMNI_STEP_STATS_CODES": "1",
         # code2wav streams its vocoder: every request here runs through it.
         "VLLM_OMNI_CODE2WAV_STREAMING": "1",
+        # Where code2wav shares the talker's cores, the talker steps down while it decodes.
+        "VLLM_OMNI_CORE_SHARING": "1",
         "XDG_CACHE_HOME": str(work / "cache"),
     }
     srv = serving.start_server(str(tiny_model_dir), work / "server.log", env=env)
@@ -96,16 +99,14 @@ def _codes(server: serving.Server) -> dict[str, list[list[int]]]:
     return step_stats.codes_dir(server.env["VLLM_OMNI_STEP_STATS_DIR"])
 
 
-def test_twelve_concurrent_requests_queue_and_each_equals_its_solo_run(server, tiny_model_dir):
-    # The deploy config serves at most 8 sequences at once: 4 of these wait for a free slot.
-    n = 12
-    before = set(_codes(server))
+def _at_once(n: int, request: Callable[[int], serving.Speech]) -> dict[int, serving.Speech]:
+    """``request(i)`` for i in 0..n-1, all sent at once from threads; every one must succeed."""
     results: dict[int, serving.Speech] = {}
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
         try:
-            results[i] = serving.synthesize(server, f"Request number {i}.", max_frames=FRAMES, seed=100 + i)
+            results[i] = request(i)
         except BaseException as exc:  # collected and re-raised in the test thread
             errors.append(exc)
 
@@ -116,6 +117,16 @@ def test_twelve_concurrent_requests_queue_and_each_equals_its_solo_run(server, t
         t.join(600)
     assert not errors, errors
     assert sorted(results) == list(range(n))
+    return results
+
+
+def test_twelve_concurrent_requests_queue_and_each_equals_its_solo_run(server, tiny_model_dir):
+    # The deploy config serves at most 8 sequences at once: 4 of these wait for a free slot.
+    n = 12
+    before = set(_codes(server))
+    results = _at_once(
+        n, lambda i: serving.synthesize(server, f"Request number {i}.", max_frames=FRAMES, seed=100 + i)
+    )
     rate = serving.sample_rate_of(tiny_model_dir)
     assert all(s.sample_rate == rate and s.audio_s > 0 for s in results.values())
     assert len({s.wav for s in results.values()}) == n  # different texts and seeds, no mix-ups
@@ -130,6 +141,28 @@ def test_twelve_concurrent_requests_queue_and_each_equals_its_solo_run(server, t
         (new,) = [c for k, c in _codes(server).items() if k not in seen]
         alone_codes.append(new)
     assert sorted(map(repr, alone_codes)) == sorted(map(repr, concurrent_codes))
+
+
+def test_eight_concurrent_streams_complete_and_each_equals_its_solo_stream(server, tiny_model_dir):
+    # As many streamed requests as the talker serves at once, long enough that each streams a
+    # 1-frame chunk, a 25-frame chunk and a short last one while the others do the same.
+    n, rate = 8, serving.sample_rate_of(tiny_model_dir)
+    frames, spf = 2 * FRAMES, _samples_per_frame(tiny_model_dir)
+    results = _at_once(
+        n,
+        lambda i: serving.synthesize_streaming(
+            server, f"Stream number {i}.", max_frames=frames, seed=200 + i, sample_rate=rate
+        ),
+    )
+    for i, speech in results.items():
+        samples = round(speech.audio_s * rate)
+        # Whole frames of audio: no stream was cut short mid-chunk.
+        assert 0 < samples <= frames * spf and samples % spf == 0, (i, samples, spf)
+    for i in range(n):
+        alone = serving.synthesize_streaming(
+            server, f"Stream number {i}.", max_frames=frames, seed=200 + i, sample_rate=rate
+        )
+        assert alone.wav == results[i].wav, f"stream {i}: audio streamed beside 7 others differs from alone"
 
 
 def _stats_lines(server: serving.Server) -> list[dict]:
@@ -293,6 +326,7 @@ def test_client_disconnect_mid_stream_frees_the_request(server):
 
 
 def test_served_path_records_the_model_timers_and_components(server):
+    sent_from = time.time()
     serving.synthesize(server, "Timers.", max_frames=FRAMES, seed=9)
     stats_dir = Path(server.env["VLLM_OMNI_STEP_STATS_DIR"])
     summary = step_stats.summarize_dir(stats_dir)
@@ -312,6 +346,15 @@ def test_served_path_records_the_model_timers_and_components(server):
     with_gap = [v for v in stepped if "engine.gap_ms" in v]
     assert all(len(v["model.forward_ms"]) == 1 and len(v["engine.gap_ms"]) == 1 for v in with_gap)
     assert len(stepped) - len(with_gap) <= 1, [v for v in stepped if "engine.gap_ms" not in v][:3]
+    # Tokens per talker step: this request alone, so its prompt in the first step, then one per
+    # frame (the floor of time to first audio in bench serve counts the prompt's FLOPs).
+    tokens = [
+        ln["values"]["engine.scheduled_tokens"]
+        for ln in lines
+        if ln["ts"] >= sent_from and "model.forward_ms" in ln["values"]
+    ]
+    assert tokens and all(len(t) == 1 for t in tokens), tokens
+    assert tokens[0][0] > 1 and {t[0] for t in tokens[1:]} == {1.0}, tokens
     # What served, as the talker recorded it and logged it in one line at load.
     (talker,) = [c for c in step_stats.served_dir(stats_dir).values() if "talker" in c["model"].lower()]
     assert talker["model"] == "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"
@@ -328,6 +371,17 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert talker["predictor.compile"] == "off"
     assert talker["predictor.parity"].startswith("on")
     assert talker["sampler"] == "CpuSampler (C kernel)"
+    # With fewer than 4 CPUs code2wav runs on the talker's cores, so the talker takes one thread
+    # while a code2wav step runs and all of them otherwise (the prefill, before any chunk).
+    cpus = len(os.sched_getaffinity(0))
+    threads = {v for ln in lines for v in ln["values"].get("talker.threads", [])}
+    if cpus < 4:
+        sharing = f"talker: 1 of {cpus} threads while code2wav decodes"
+        assert talker["core_sharing"].startswith(sharing), talker
+        assert float(cpus) in threads and threads <= {1.0, float(cpus)}, threads
+    else:
+        assert talker["core_sharing"].startswith("off ("), talker
+        assert not threads, threads
     assert "FastQwen3TTSTalker serves: " in server.log_path.read_text(errors="replace")
     # The code2wav stage streamed its vocoder: it ran over exactly the frames it returned.
     (code2wav,) = [c for c in step_stats.served_dir(stats_dir).values() if "code2wav.streaming" in c]

@@ -154,6 +154,15 @@ def talker_params_per_step(config: dict[str, Any]) -> int:
     return int(t["num_hidden_layers"]) * layer + hidden + int(t["vocab_size"]) * hidden
 
 
+def talker_prefill_flops(config: dict[str, Any], tokens: int) -> float:
+    """FLOPs of a talker prefill over ``tokens`` prompt tokens (``config.json``): every decoder
+    weight once per token, the codec head once (only the last position's logits are taken).
+    Attention scores are left out, so this is a lower bound."""
+    t = config["talker_config"]
+    head = int(t["vocab_size"]) * int(t["hidden_size"])
+    return 2.0 * ((talker_params_per_step(config) - head) * tokens + head)
+
+
 def predictor_params_per_frame(config: dict[str, Any]) -> int:
     """Weights the code predictor reads per frame (``config.json``), as :func:`params_per_frame`
     counts them on a module: each of the 15 sub-steps reads every layer, one codebook head and,

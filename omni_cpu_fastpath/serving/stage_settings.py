@@ -168,8 +168,10 @@ def cpu_stage_envs(
 
     With 4 or more CPUs the talker binds to all but the last one and code2wav binds to the last
     one. With fewer, the talker binds to all of them and code2wav runs one unbound thread (it
-    shares a core only while a chunk decodes). A VLLM_CPU_OMP_THREADS_BIND set by the user wins:
-    then nothing is set per stage.
+    shares a core only while a chunk decodes), and both stages are marked as sharing cores
+    (``VLLM_OMNI_SHARED_CORES``: the talker steps down to one thread while code2wav decodes, see
+    :mod:`~omni_cpu_fastpath.serving.core_sharing`). A VLLM_CPU_OMP_THREADS_BIND set by the user
+    wins: then nothing is set per stage.
     """
     if (os.environ if environ is None else environ).get("VLLM_CPU_OMP_THREADS_BIND"):
         return {}, {}
@@ -179,6 +181,7 @@ def cpu_stage_envs(
         talker = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[:-1]))}
         code2wav = {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[-1])}
     else:
-        talker = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus))}
-        code2wav = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        shared = {"VLLM_OMNI_SHARED_CORES": "1"}
+        talker = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), **shared}
+        code2wav = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", **shared}
     return talker, code2wav

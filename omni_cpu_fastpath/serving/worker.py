@@ -34,6 +34,8 @@ from vllm_omni.worker.mixins import OmniWorkerMixin
 
 from omni_cpu_fastpath import envs, step_stats
 
+from . import core_sharing
+
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 ENGINE_GAP = step_stats.ENGINE_GAP
@@ -99,9 +101,11 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
     _gap_from: float | None = None  # where this step's uncovered time starts; None outside a step
     _covered_s = 0.0  # time inside the model calls of this step
     _ran_forward = False
+    _step_tokens = 0  # tokens this step scheduled (its prompts' lengths in a prefill)
     _last_step_end: float | None = None
     _last_step_reqs: frozenset[str] = frozenset()
     _model_times_itself = False
+    _threads: core_sharing.ThreadStepper | None = None  # set where code2wav shares the cores
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
@@ -112,6 +116,22 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         # FastQwen3TTSTalker times its forward, talker MTP and sampling itself; for any other
         # model (the stock talker) this runner records those timers around the same calls.
         self._model_times_itself = bool(getattr(self.model, "records_step_timers", False))
+        if core_sharing.wanted():
+            stepper = core_sharing.ThreadStepper(core_sharing.BusyFlag(core_sharing.flag_path()))
+            self._threads = stepper
+            step_stats.served(
+                "core_sharing",
+                f"talker: 1 of {stepper.full} threads while code2wav decodes ({stepper.flag.path})",
+            )
+        else:
+            step_stats.served("core_sharing", f"off ({core_sharing.why_off()})")
+
+    def _fit_threads(self) -> None:
+        # Before each forward and talker-MTP call: one thread while code2wav decodes beside it.
+        if self._threads is not None:
+            threads = self._threads.fit()
+            if self._gap_from is not None:
+                step_stats.record(step_stats.TALKER_THREADS, float(threads))
 
     # --- engine gap: step wall time outside the model calls --------------------------------------
     # A step's gap runs from the end of the previous step (when this step continues one of its
@@ -128,6 +148,7 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         self._gap_from = self._last_step_end if continues else now
         self._covered_s = 0.0
         self._ran_forward = False
+        self._step_tokens = sum(scheduled.values())
         return super().execute_model(scheduler_output, intermediate_tensors)
 
     def _end_step(self) -> None:
@@ -135,6 +156,7 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
             now = time.perf_counter()
             if self._ran_forward:
                 step_stats.record(ENGINE_GAP, (now - self._gap_from - self._covered_s) * 1e3)
+                step_stats.record(step_stats.ENGINE_TOKENS, float(self._step_tokens))
             self._gap_from = None
             self._last_step_end = now
             self._last_step_reqs = frozenset(self.input_batch.req_ids)
@@ -154,6 +176,7 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
                 step_stats.record(name, elapsed * 1e3)
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._fit_threads()
         if self._gap_from is not None:
             self._ran_forward = True
         return self._timed_call(step_stats.MODEL_FORWARD, super()._model_forward, *args, **kwargs)
@@ -169,6 +192,8 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         # The omni runner calls itself once per row when seeded rows cannot share a batch:
         # time and record once, around the outermost call, when every row's codes are in place.
         outer = not self._in_talker_mtp
+        if outer:
+            self._fit_threads()
         self._in_talker_mtp = True
         try:
             if outer and decode_req_ids:  # a prefill-only step has no MTP work to time
@@ -196,12 +221,38 @@ class CPUGenerationModelRunner(_CpuOmniRunnerMixin, GPUGenerationModelRunner, CP
     """The omni generation runner (code2wav stage) on vLLM's CPU runner."""
 
     _empty_steps = 0  # steps that scheduled nothing since the last one that ran something
+    _busy: core_sharing.BusyFlag | None = None  # raised while a step with work runs
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self._cpu_omni_post_init()
+        if core_sharing.wanted():
+            self._busy = core_sharing.BusyFlag(core_sharing.flag_path(), clear=True)
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        if self._busy is not None:
+            step_stats.served("core_sharing", f"code2wav: raises {self._busy.path} while a step runs")
+        else:
+            step_stats.served("core_sharing", f"off ({core_sharing.why_off()})")
+
+    def _end_step(self) -> None:
+        if self._busy is not None:
+            self._busy.lower()
+        super()._end_step()
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
+        if self._busy is not None and scheduler_output.total_num_scheduled_tokens > 0:
+            # Lowered when the step ends (_end_step), or here if it fails.
+            self._busy.raise_()
+            try:
+                return self._execute_model(scheduler_output, intermediate_tensors)
+            except BaseException:
+                self._busy.lower()
+                raise
+        return self._execute_model(scheduler_output, intermediate_tensors)
+
+    def _execute_model(self, scheduler_output: Any, intermediate_tensors: Any) -> Any:
         if step_stats.enabled():
             if scheduler_output.total_num_scheduled_tokens == 0:
                 self._empty_steps += 1
