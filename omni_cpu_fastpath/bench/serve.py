@@ -377,6 +377,7 @@ def cli(args: argparse.Namespace) -> int:
         work = Path(tmp)
         model = make_model(work / f"model-{args.dims}", dims=args.dims, seed=0)
         rows = [bench_impl(model, impl, args.requests, frames, work, concurrency) for impl in impls]
+        config = json.loads((model / "config.json").read_text())
         for r in rows:
             floors, formats = stage_floors(
                 model, r["served"], bandwidth.best_gbs, peak.best_gflops, concurrency
@@ -387,7 +388,7 @@ def cli(args: argparse.Namespace) -> int:
             tokens = r["summary"].get(step_stats.ENGINE_TOKENS)
             r["prefill_tokens"] = int(tokens["max"]) if tokens and tokens["count"] > 0 else 0
             r["ttfa_floor_ms"] = ttfa_floor_ms(
-                json.loads((model / "config.json").read_text()),
+                config,
                 r["prefill_tokens"],
                 r["stages"],
                 concurrency,
