@@ -11,9 +11,10 @@ demo: setup
 	$(PY) -m omni_cpu_fastpath.cli demo
 
 # The benchmarks run too, once each at tiny dimensions (a smoke test: nothing is timed).
+# --durations: the slowest tests in the log, to keep the whole run inside CI's time on 2 cores.
 test: setup
-	$(PY) -m pytest -q tests
-	OMNI_BENCH_DIMS=tiny $(PY) -m pytest -q benchmarks
+	$(PY) -m pytest -q --durations=25 tests
+	OMNI_BENCH_DIMS=tiny $(PY) -m pytest -q --durations=10 benchmarks
 
 bench: setup
 	$(PY) -m pytest -q benchmarks --benchmark-enable

@@ -6,6 +6,9 @@
   the layer-0 embedding table, bf16, ~0.3 GB, a few seconds); made on first use.
 - ``model_0p6b_outlier_dir``: the same with ``outliers=True``.
 - ``make_checkpoint(**kwargs)``: any other ``make_model`` variant, cached by its arguments.
+- ``served_compile_cache``: one compiled-predictor cache folder for the served tests that compile
+  the same step (the cache is keyed by the weights and the graph, so sharing it is safe; only the
+  first of them pays for compiling on 2 cores).
 
 No torch import here (some tests check what importing the package pulls in); torch threads are
 capped through OMP_NUM_THREADS before anything imports torch.
@@ -58,6 +61,11 @@ def model_0p6b_dir(make_checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def model_0p6b_outlier_dir(make_checkpoint) -> Path:
     return make_checkpoint(dims="0.6b", seed=0, parts="predictor", outliers=True)
+
+
+@pytest.fixture(scope="session")
+def served_compile_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("served-compile-cache")
 
 
 def reference_missing(what: str) -> None:

@@ -181,10 +181,13 @@ def test_fast_eager_equals_stock_bf16(tiny_model_dir: Path, work: Path, stock: R
     _assert_same(run, stock)
 
 
-def test_fast_compiled_equals_fast_eager_fp32(tiny_model_dir: Path, work: Path, fast_eager_fp32: Run) -> None:
+def test_fast_compiled_equals_fast_eager_fp32(
+    tiny_model_dir: Path, work: Path, fast_eager_fp32: Run, served_compile_cache: Path
+) -> None:
     _assert_fast(fast_eager_fp32, "off")
     assert fast_eager_fp32.served["model.dtype"] == "float32"
-    run = serve_workload(tiny_model_dir, work, "fast-step-fp32", _fast_env("step"), FP32)
+    env = {**_fast_env("step"), "VLLM_OMNI_COMPILE_CACHE_DIR": str(served_compile_cache)}
+    run = serve_workload(tiny_model_dir, work, "fast-step-fp32", env, FP32)
     # Every bucket the runner can reach (max_num_seqs 8) was compiled at load.
     _assert_fast(run, "step (buckets 1,2,4,8, compiled at load")
     _assert_same(run, fast_eager_fp32)

@@ -2,8 +2,9 @@
 
 Faults are injected into real servers on loopback (``tests/fault_injection/sitecustomize.py``, on
 PYTHONPATH, acts in every process of the server): the cached predictor cannot be built and the
-sampler's and the few-row product's C kernels are missing (one server), or the compiled predictor
-step fails at the first request after a good warm-up (another). The reference for "the audio
+sampler's and the few-row product's C kernels are missing (one server, which also serves the int8
+talker, ``VLLM_OMNI_TALKER_INT8``, with its in-situ parity on), or the compiled predictor step
+fails at the first request after a good warm-up (another). The reference for "the audio
 still comes" is the checkpoint's own frame size; for "says why", the reasons step_stats records
 and the log.
 """
@@ -29,7 +30,9 @@ def _served_talker(stats: Path) -> dict[str, str]:
     return talker
 
 
-def _serve_with_faults(model: Path, work: Path, faults: str, **env: str) -> tuple[dict, dict, str]:
+def _serve_with_faults(
+    model: Path, work: Path, faults: str, args: tuple[str, ...] = (), **env: str
+) -> tuple[dict, dict, str]:
     stats = work / "stats"
     full_env = {
         "OMNI_TEST_FAULTS": faults,
@@ -40,7 +43,7 @@ def _serve_with_faults(model: Path, work: Path, faults: str, **env: str) -> tupl
         **env,
     }
     per_frame = serving.sample_rate_of(model) * 2 // 25  # 80 ms frames
-    with serving.running_server(str(model), work / "server.log", env=full_env) as server:
+    with serving.running_server(str(model), work / "server.log", vllm_args=args, env=full_env) as server:
         before = _served_talker(stats)
         for seed, stream in ((1, False), (2, True)):
             if stream:
@@ -56,9 +59,17 @@ def _serve_with_faults(model: Path, work: Path, faults: str, **env: str) -> tupl
     return before, after, (work / "server.log").read_text(errors="replace")
 
 
-def test_predictor_construction_error_and_missing_kernel(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_predictor_construction_error_missing_kernels_and_the_int8_talker(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     faults = "predictor-construction,kernel-missing,gemv-missing"
-    before, after, log = _serve_with_faults(tiny_model_dir, tmp_path, faults)
+    before, after, log = _serve_with_faults(
+        tiny_model_dir,
+        tmp_path,
+        faults,
+        VLLM_OMNI_TALKER_INT8="w8-channel",
+        VLLM_OMNI_TALKER_PARITY_CHECK="1",
+    )
     # The stock predictor serves, and the reason is recorded and logged.
     assert before["predictor"].startswith("stock (CachedCodePredictor.from_stock failed"), before
     assert "injected: CachedCodePredictor cannot be built" in before["predictor"]
@@ -75,10 +86,36 @@ def test_predictor_construction_error_and_missing_kernel(tiny_model_dir: Path, t
     assert "keeping the stock code predictor" in log
     assert "FastQwen3TTSTalker serves: " in log
 
+    # The int8 talker serves beside the stock predictor, its few-row products through torch's.
+    layers = 2  # tiny
+    assert before["talker.int8"].startswith(
+        f"w8-channel ({4 * layers} decoder linears, outlier input columns fp32 from the RMSNorm gains, "
+        "_weight_int8pack_mm; torch's kernels (the C kernel is not built"
+    ), before
+    assert "injected: the few-row kernel is not built" in before["talker.int8"]
+    # In-situ parity: every forward's positions against the bf16 reference of the same layers.
+    assert before["talker.parity"].startswith("on"), before
+    summary = step_stats.summarize_dir(tmp_path / "stats")
+    top1, kl = summary["talker.parity.top1"], summary["talker.parity.kl"]
+    assert top1["count"] >= FRAMES and summary["talker.parity.check_ms"]["count"] >= FRAMES
+    # The tiny model (random weights, no outliers): int8 close to bf16, and not identical to it.
+    assert top1["mean"] >= 0.9 and kl["mean"] < 0.01, (top1, kl)
+    assert summary["talker.parity.max_logit_diff"]["max"] > 0.0
 
-def test_compiled_step_failing_at_run_time_falls_back_to_eager(tiny_model_dir: Path, tmp_path: Path) -> None:
+
+def test_compiled_step_failing_at_run_time_falls_back_to_eager(
+    tiny_model_dir: Path, tmp_path: Path, served_compile_cache: Path
+) -> None:
+    # The float32 float step of test_served_equals_stock.py, whose compiled graphs it loads from
+    # the shared cache (the fault acts on the loaded step as on a freshly compiled one).
     before, after, log = _serve_with_faults(
-        tiny_model_dir, tmp_path, "compile-at-run-time", VLLM_OMNI_PREDICTOR_COMPILE="step"
+        tiny_model_dir,
+        tmp_path,
+        "compile-at-run-time",
+        args=("--dtype", "float32"),
+        VLLM_OMNI_PREDICTOR_COMPILE="step",
+        VLLM_OMNI_PREDICTOR_INT8="off",
+        VLLM_OMNI_COMPILE_CACHE_DIR=str(served_compile_cache),
     )
     assert before["predictor"] == "cached"
     assert before["predictor.compile"].startswith("step (buckets 1,2,4,8, compiled at load"), before

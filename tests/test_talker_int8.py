@@ -2,8 +2,9 @@
 
 References: float64 arithmetic on the dequantized weights (the linear method), vLLM's own model
 construction (which layers get the method), the fp32 and bf16 talkers built the same way
-(teacher-forced parity on the tiny ``outliers=True`` checkpoint, bounds frozen from measurement),
-and one real server on loopback (audio comes with the flag on).
+(teacher-forced parity on the tiny ``outliers=True`` checkpoint, bounds frozen from measurement).
+Served with the flag on (audio comes, in-situ parity recorded): test_served_fallbacks.py, in the
+server whose few-row kernel is missing.
 """
 
 from __future__ import annotations
@@ -344,6 +345,24 @@ def test_only_the_talker_decoder_linears_are_quantized(tiny_w8_talker) -> None:
     assert cfg.get_quant_method(talker.lm_head, "lm_head") is None
 
 
+def test_served_status_names_what_serves_the_few_row_products(tiny_w8_talker, monkeypatch) -> None:
+    from omni_cpu_fastpath import cpu_gemv
+    from omni_cpu_fastpath.qwen3_tts.quant import talker_int8
+
+    talker, vllm_config = tiny_w8_talker
+    layers = len(talker.model.layers)
+    head = f"w8-channel ({4 * layers} decoder linears, outlier input columns fp32 from the RMSNorm gains, "
+    status = talker_int8.served_status(talker, vllm_config.quant_config)
+    # setup builds the C kernel; the torch road and its reason are served in test_served_fallbacks.py.
+    assert status.startswith(head + "_weight_int8pack_mm; C kernel ("), status
+    assert status.endswith(f"; {cpu_gemv.status()})")
+    monkeypatch.setenv("VLLM_OMNI_CPU_GEMV", "0")
+    assert talker_int8.served_status(talker, vllm_config.quant_config) == (
+        head + "_weight_int8pack_mm; torch's kernels (VLLM_OMNI_CPU_GEMV=0))"
+    )
+    assert talker_int8.served_status(talker, None) == "off"
+
+
 def test_fast_talker_hands_the_rmsnorm_gains_before_quantizing(tiny_w8_talker, tiny_outlier_model_dir):
     """FastQwen3TTSTalker built and loaded as a worker loads it (vLLM's loader, then
     process_weights_after_loading): each qkv_proj / gate_up_proj keeps the columns of the gain in
@@ -459,41 +478,3 @@ def test_parity_bounds_on_the_tiny_outliers_checkpoint(tiny_outlier_model_dir: P
     # The outlier columns kept in fp32 are what brings w8-channel closer to fp32.
     assert w8["kl"] < 0.9 * plain["kl"], (w8, plain)
     assert w8["max_logit_diff"] > 0
-
-
-# --- served --------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_served_with_the_flag_on_gives_audio(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from omni_cpu_fastpath import step_stats
-    from omni_cpu_fastpath.serving import commands as serving
-
-    stats = tmp_path / "stats"
-    env = {
-        "VLLM_OMNI_TALKER_INT8": "w8-channel",
-        "VLLM_OMNI_TALKER_PARITY_CHECK": "1",
-        "VLLM_OMNI_STEP_STATS_DIR": str(stats),
-        "XDG_CACHE_HOME": str(tmp_path / "cache"),
-    }
-    frames = 8
-    per_frame = serving.sample_rate_of(tiny_model_dir) * 2 // 25  # 80 ms frames
-    with serving.running_server(str(tiny_model_dir), tmp_path / "server.log", env=env) as server:
-        speech = serving.synthesize(server, "Quantized talker.", max_frames=frames, seed=3)
-    samples = round(speech.audio_s * speech.sample_rate)
-    assert samples > 0 and samples % per_frame == 0, (samples, per_frame)
-    (talker,) = [s for s in step_stats.served_dir(stats).values() if "talker" in s.get("model", "").lower()]
-    layers = 2  # tiny
-    # Decode steps (1-8 rows) through the package's C kernel, built by setup; prefills through ATen's.
-    assert talker["talker.int8"] == (
-        f"w8-channel ({4 * layers} decoder linears, outlier input columns fp32 from the RMSNorm gains, "
-        "_weight_int8pack_mm; C kernel (avx2) for 1-8 rows)"
-    ), talker
-    # In-situ parity: every forward's positions against the bf16 reference of the same layers.
-    assert talker["talker.parity"].startswith("on"), talker
-    summary = step_stats.summarize_dir(stats)
-    top1, kl = summary["talker.parity.top1"], summary["talker.parity.kl"]
-    assert top1["count"] >= frames and summary["talker.parity.check_ms"]["count"] >= frames
-    # The tiny model (random weights, no outliers): int8 close to bf16, and not identical to it.
-    assert top1["mean"] >= 0.9 and kl["mean"] < 0.01, (top1, kl)
-    assert summary["talker.parity.max_logit_diff"]["max"] > 0.0

@@ -305,7 +305,7 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
     count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
     why = kernel_status()
     kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
-    if cpu_gemv.wanted():  # what each layer reads when it is processed
-        kernel = f"{kernel}; {cpu_gemv.status()}"
+    # The few-row products: the C kernel, or torch's and why (as each layer read it when processed).
+    kernel = f"{kernel}; {cpu_gemv.status()}"
     cols = ", outlier input columns fp32 from the RMSNorm gains" if quant_config.float_columns else ""
     return f"{quant_config.scheme} ({count} decoder linears{cols}, {kernel})"
