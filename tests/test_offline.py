@@ -42,8 +42,8 @@ FAST = {
 }
 RUNS = {
     # The master switch alone: it turns talker int8 off too (stock is stock).
-    "stock": {"VLLM_OMNI_CPU_FASTPATH": "0", "DTYPE": "auto"},
-    "fast-eager": {**FAST, "VLLM_OMNI_PREDICTOR_COMPILE": "off", "DTYPE": "auto"},
+    "stock": {"VLLM_OMNI_CPU_FASTPATH": "0"},
+    "fast-eager": {**FAST, "VLLM_OMNI_PREDICTOR_COMPILE": "off"},
 }
 PAIRS = {"fast-eager": "stock"}  # run -> its reference
 
@@ -58,13 +58,12 @@ SCRIPT = textwrap.dedent(
         model, out_dir, frames = sys.argv[1], sys.argv[2], int(sys.argv[3])
         for name, env in json.loads(sys.argv[4]).items():
             # Stage processes are spawned by each Omni and inherit the environment of that moment.
-            dtype = env.pop("DTYPE")
             os.environ.update(env, VLLM_OMNI_STEP_STATS_DIR=f"{out_dir}/{name}/stats")
             os.makedirs(f"{out_dir}/{name}", exist_ok=True)
-            run(model, f"{out_dir}/{name}", frames, dtype)
+            run(model, f"{out_dir}/{name}", frames)
 
 
-    def run(model, out_dir, frames, dtype):
+    def run(model, out_dir, frames):
         from transformers import AutoConfig, AutoTokenizer
         from vllm_omni import Omni
         from vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder import (
@@ -73,7 +72,7 @@ SCRIPT = textwrap.dedent(
 
         timeouts = {"stage_init_timeout": 3600, "init_timeout": 3600}  # a stage starts in minutes on 2 cores
         # 8 sequences, as omni-cpu-fastpath serve's CPU deploy config.
-        omni = Omni(model=model, async_chunk=False, dtype=dtype, max_num_seqs=8, **timeouts)
+        omni = Omni(model=model, async_chunk=False, max_num_seqs=8, **timeouts)
         try:
             tok = AutoTokenizer.from_pretrained(model)
             talker = AutoConfig.from_pretrained(model, trust_remote_code=True).talker_config

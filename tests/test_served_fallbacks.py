@@ -106,7 +106,7 @@ def test_predictor_construction_error_missing_kernels_and_the_int8_talker(
 def test_compiled_step_failing_at_run_time_falls_back_to_eager(
     tiny_model_dir: Path, tmp_path: Path, served_compile_cache: Path
 ) -> None:
-    # The float32 float step of test_served_equals_stock.py, whose compiled graphs it loads from
+    # The fp32 step without int8 of test_served_equals_stock.py, whose compiled graphs it loads from
     # the shared cache (the fault acts on the loaded step as on a freshly compiled one).
     before, after, log = _serve_with_faults(
         tiny_model_dir,
