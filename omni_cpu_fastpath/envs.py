@@ -28,7 +28,7 @@ class FlagError(ValueError):
 @dataclass(frozen=True)
 class Flag:
     name: str
-    type: str  # "bool", "auto-bool", "choice", "int", "path"
+    type: str  # "bool", "auto-bool", "choice", "int", "opt-int", "path"
     default: str | None  # the raw default, as it would be written in the environment
     doc: str
     choices: tuple[str, ...] = ()
@@ -45,6 +45,8 @@ class Flag:
             return "|".join(self.choices)
         if self.type == "int":
             return "an integer >= 0"
+        if self.type == "opt-int":
+            return "auto, an integer >= 0, or empty"
         return "a directory path (empty: off)"
 
     def error(self, raw: str) -> FlagError:
@@ -191,6 +193,14 @@ FLAGS: dict[str, Flag] = {
             "torch thread while a code2wav step runs, all of them otherwise (0: always all).",
         ),
         Flag(
+            "VLLM_OMNI_OMP_BLOCKTIME",
+            "opt-int",
+            "",
+            "ms an Intel OpenMP thread of a stage worker spins after a parallel region before it sleeps "
+            "(auto: 0 where code2wav shares the talker's cores, else vLLM's 5; empty: vLLM's).",
+            accepted="auto, an integer >= 0 (milliseconds), or empty (vLLM's setting)",
+        ),
+        Flag(
             "VLLM_OMNI_SHARED_CORES",
             "bool",
             "0",
@@ -277,7 +287,9 @@ def _parse(flag: Flag, value: str) -> Any:
         if v not in flag.choices:
             raise flag.error(value)
         return v
-    if flag.type == "int":
+    if flag.type in ("int", "opt-int"):
+        if flag.type == "opt-int" and value.strip().lower() in ("", "auto"):
+            return value.strip().lower() or None
         try:
             n = int(value.strip())
         except ValueError:

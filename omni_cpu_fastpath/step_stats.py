@@ -56,7 +56,7 @@ ENGINE_GAP = "engine.gap_ms"
 # Tokens the talker's engine step ran through the model (the CPU AR runner): a prompt's length
 # in its prefill step, one per sequence in a decode step.
 ENGINE_TOKENS = "engine.scheduled_tokens"
-# Torch threads of each talker forward / talker-MTP call where code2wav shares the talker's cores
+# Torch threads of each talker engine step where code2wav shares the talker's cores
 # (serving/core_sharing.py): 1 while stepped down.
 TALKER_THREADS = "talker.threads"
 # Engine steps of a stage that scheduled nothing (all its requests waiting for input), counted by
@@ -150,6 +150,11 @@ def configure(
         sync = envs.get("VLLM_OMNI_STEP_STATS_SYNC")
     if codes is None:
         codes = envs.get("VLLM_OMNI_STEP_STATS_CODES")
+    same = (Path(directory).expanduser(), bool(sync), bool(codes)) if directory else None
+    if _recorder is not None and same == (_recorder.directory, _recorder.sync, _recorder.records_codes):
+        # Unchanged: keep recording into the same files (and what served so far in this process).
+        _configured = True
+        return True
     if _recorder is not None:
         _recorder.close()
         atexit.unregister(_recorder.close)

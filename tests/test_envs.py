@@ -74,6 +74,10 @@ def test_defaults_parse(monkeypatch: pytest.MonkeyPatch) -> None:
         ("VLLM_OMNI_PREDICTOR_INT8", "ao-dynamic", "ao-dynamic"),
         ("VLLM_OMNI_STEP_STATS_DIR", "/tmp/x", "/tmp/x"),
         ("VLLM_OMNI_STEP_STATS_DIR", "", None),
+        ("VLLM_OMNI_OMP_BLOCKTIME", "", None),
+        ("VLLM_OMNI_OMP_BLOCKTIME", "Auto", "auto"),
+        ("VLLM_OMNI_OMP_BLOCKTIME", " 0 ", 0),
+        ("VLLM_OMNI_OMP_BLOCKTIME", "200", 200),
     ],
 )
 def test_values_parse(monkeypatch: pytest.MonkeyPatch, name: str, value: str, expected: object) -> None:
@@ -92,6 +96,8 @@ def test_values_parse(monkeypatch: pytest.MonkeyPatch, name: str, value: str, ex
         ("VLLM_OMNI_PREDICTOR_THREADS", "four"),
         ("VLLM_OMNI_PREDICTOR_INT8", "int4"),
         ("VLLM_OMNI_CPU_GEMV", "fast"),
+        ("VLLM_OMNI_OMP_BLOCKTIME", "-5"),
+        ("VLLM_OMNI_OMP_BLOCKTIME", "5ms"),
     ],
 )
 def test_bad_value_names_variable_value_and_choices(

@@ -136,7 +136,13 @@ def test_offline_omni_api_synthesizes_on_cpu_and_fast_equals_stock(tiny_model_di
     )
     script = tmp_path / "offline_omni.py"
     script.write_text(SCRIPT)
-    env = {**os.environ, "VLLM_OMNI_STEP_STATS_CODES": "1", "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {
+        **os.environ,
+        "VLLM_OMNI_STEP_STATS_CODES": "1",
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+        # Every step on all threads in both runs (a step-down follows code2wav's timing).
+        "VLLM_OMNI_CORE_SHARING": "0",
+    }
     proc = subprocess.run(
         [sys.executable, str(script), str(tiny_model_dir), str(tmp_path), str(FRAMES), json.dumps(RUNS)],
         capture_output=True,

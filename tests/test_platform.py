@@ -194,6 +194,20 @@ def test_cpu_stage_envs_split_the_cores(monkeypatch):
     talker, code2wav = stage_settings.cpu_stage_envs(list(range(8)))
     assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3,4,5,6"}
     assert code2wav == {"VLLM_CPU_OMP_THREADS_BIND": "7"}
+    # With the talker's step-down on, its attention keeps each KV cache whole (unless the user
+    # says otherwise), so that a step sums in the same order at either thread count.
+    talker, code2wav = stage_settings.cpu_stage_envs([0, 1], {"VLLM_OMNI_CORE_SHARING": "1"})
+    assert talker == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0,1",
+        "VLLM_OMNI_SHARED_CORES": "1",
+        "VLLM_CPU_ATTN_SPLIT_KV": "0",
+    }
+    assert "VLLM_CPU_ATTN_SPLIT_KV" not in code2wav
+    user = {"VLLM_OMNI_CORE_SHARING": "1", "VLLM_CPU_ATTN_SPLIT_KV": "1"}
+    talker, _ = stage_settings.cpu_stage_envs([0, 1], user)
+    assert "VLLM_CPU_ATTN_SPLIT_KV" not in talker
+    talker, _ = stage_settings.cpu_stage_envs(list(range(8)), {"VLLM_OMNI_CORE_SHARING": "1"})
+    assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3,4,5,6"}  # no shared cores, no step-down
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|")
     assert stage_settings.cpu_stage_envs([0, 1]) == ({}, {})
 

@@ -95,6 +95,9 @@ def serve_workload(
         "XDG_CACHE_HOME": str(work / "cache"),
         # Bit-for-bit against stock: the float talker on both sides (whatever the default).
         "VLLM_OMNI_TALKER_INT8": "off",
+        # Every step on all threads: with the step-down, a step's thread count follows code2wav's
+        # timing, and vLLM's CPU attention splits its work by the thread count.
+        "VLLM_OMNI_CORE_SHARING": "0",
         **env,
     }
     rate = serving.sample_rate_of(model)

@@ -69,7 +69,13 @@ def test_predictor_construction_error_missing_kernels_and_the_int8_talker(
         faults,
         VLLM_OMNI_TALKER_INT8="w8-channel",
         VLLM_OMNI_TALKER_PARITY_CHECK="1",
+        VLLM_OMNI_OMP_BLOCKTIME="",
+        VLLM_OMNI_CORE_SHARING="0",
     )
+    # The defaults, set here as the off side of test_serving_e2e.py's server: vLLM's OpenMP spin,
+    # and the talker on all its threads throughout.
+    assert before["openmp.blocktime"] == "5 ms (Intel OpenMP; VLLM_OMNI_OMP_BLOCKTIME empty; vLLM's setting)"
+    assert before["core_sharing"] == "off (VLLM_OMNI_CORE_SHARING=0)", before
     # The stock predictor serves, and the reason is recorded and logged.
     assert before["predictor"].startswith("stock (CachedCodePredictor.from_stock failed"), before
     assert "injected: CachedCodePredictor cannot be built" in before["predictor"]

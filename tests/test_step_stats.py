@@ -186,3 +186,23 @@ def test_served_components_and_codes(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     assert step_stats.codes_dir(tmp_path / "no-codes") == {}
     assert list((tmp_path / "no-codes").glob("*.codes.jsonl")) == []
+
+
+def test_configuring_again_unchanged_keeps_what_was_recorded(tmp_path: Path) -> None:
+    # A stage worker records what serves it before the model's constructor configures stats again.
+    step_stats.configure(directory=tmp_path, sync=False, codes=False)
+    step_stats.served("openmp.blocktime", "5 ms")
+    step_stats.record("model.forward_ms", 2.0)
+    assert step_stats.configure(directory=tmp_path, sync=False, codes=False) is True
+    step_stats.served("predictor", "cached")
+    step_stats.record("model.forward_ms", 3.0)
+    step_stats.configure(directory="")
+    (served,) = step_stats.served_dir(tmp_path).values()
+    assert served == {"openmp.blocktime": "5 ms", "predictor": "cached"}
+    assert step_stats.summarize_dir(tmp_path)["model.forward_ms"]["count"] == 2
+    # Other settings start a new recorder (its files replace the served record of this process).
+    step_stats.configure(directory=tmp_path, sync=True, codes=False)
+    step_stats.served("sampler", "CpuSampler")
+    step_stats.configure(directory="")
+    (served,) = step_stats.served_dir(tmp_path).values()
+    assert served == {"sampler": "CpuSampler"}

@@ -6,7 +6,14 @@ parallel region of the talker then waits at its barrier for whichever thread los
 code2wav, so a talker step beside a code2wav chunk takes several times what it takes alone,
 where one talker thread beside code2wav only loses the second core. So code2wav's runner raises
 a one-byte flag in shared memory while it runs a step with work, and the talker's runner reads
-it before each forward and talker-MTP call: one torch thread while it is up, all of them after.
+it at the start of each engine step of decode rows only: one torch thread for the step while it
+is up, all of them after. Not finer than a step: vLLM's CPU attention records the thread count in
+the metadata it builds at the step's start and refuses to run under another count. Not a step with
+prompt rows, and the talker's attention keeps each KV cache whole (``VLLM_CPU_ATTN_SPLIT_KV=0``,
+set by the deploy config): so a request's arithmetic is the same at either count, and a seeded
+request gives the same codes whenever code2wav happens to decode beside it. The count goes through
+:func:`~omni_cpu_fastpath.cpu_threads.set_torch_threads`, as vLLM's worker has replaced
+``torch.set_num_threads`` with a warning.
 
 The flag is a file in ``/dev/shm`` named after the user and the session id, which every process
 of one server shares (``start_server`` starts each server in a session of its own; servers
@@ -25,6 +32,7 @@ from pathlib import Path
 import torch
 
 from omni_cpu_fastpath import envs
+from omni_cpu_fastpath.cpu_threads import set_torch_threads
 
 
 def flag_path() -> Path:
@@ -77,9 +85,13 @@ class ThreadStepper:
         self.flag = flag
         self.full = full or torch.get_num_threads()
 
-    def fit(self) -> int:
-        """Set torch's thread count for the call about to run; returns it."""
-        want = 1 if self.flag.is_up() else self.full
+    def fit(self, decode_only: bool = True) -> int:
+        """Set torch's thread count for the step about to run; returns the count torch now has.
+
+        Only a step of decode rows steps down: vLLM's CPU attention sums prompt rows in an order
+        that follows the thread count, and a prompt's keys stay in the cache for the whole request.
+        """
+        want = 1 if decode_only and self.flag.is_up() else self.full
         if torch.get_num_threads() != want:
-            torch.set_num_threads(want)
-        return want
+            set_torch_threads(want)
+        return torch.get_num_threads()

@@ -25,7 +25,7 @@ from .stage_settings import (
 )
 
 # Part of the written file: bump it when the YAML written for the same inputs changes.
-CPU_DEPLOY_VERSION = 1
+CPU_DEPLOY_VERSION = 2
 
 
 def cpu_deploy_overlay(

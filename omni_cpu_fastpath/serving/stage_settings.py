@@ -170,10 +170,12 @@ def cpu_stage_envs(
     one. With fewer, the talker binds to all of them and code2wav runs one unbound thread (it
     shares a core only while a chunk decodes), and both stages are marked as sharing cores
     (``VLLM_OMNI_SHARED_CORES``: the talker steps down to one thread while code2wav decodes, see
-    :mod:`~omni_cpu_fastpath.serving.core_sharing`). A VLLM_CPU_OMP_THREADS_BIND set by the user
-    wins: then nothing is set per stage.
+    :mod:`~omni_cpu_fastpath.serving.core_sharing`); where that step-down is on, the talker's
+    attention keeps each sequence's KV cache whole (``VLLM_CPU_ATTN_SPLIT_KV=0``, unless set). A
+    VLLM_CPU_OMP_THREADS_BIND set by the user wins: then nothing is set per stage.
     """
-    if (os.environ if environ is None else environ).get("VLLM_CPU_OMP_THREADS_BIND"):
+    env = os.environ if environ is None else environ
+    if env.get("VLLM_CPU_OMP_THREADS_BIND"):
         return {}, {}
     if cpus is None:
         cpus = sorted(os.sched_getaffinity(0))
@@ -183,5 +185,10 @@ def cpu_stage_envs(
     else:
         shared = {"VLLM_OMNI_SHARED_CORES": "1"}
         talker = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), **shared}
+        if envs.get("VLLM_OMNI_CORE_SHARING", environ) and "VLLM_CPU_ATTN_SPLIT_KV" not in env:
+            # A step's thread count then follows code2wav's timing, and vLLM's CPU attention,
+            # when it splits a sequence's KV cache, splits it by the thread count: unsplit, a
+            # request's attention sums in the same order whatever the count.
+            talker["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
         code2wav = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", **shared}
     return talker, code2wav

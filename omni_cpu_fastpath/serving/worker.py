@@ -32,7 +32,7 @@ from vllm_omni.worker.gpu_ar_model_runner import GPUARModelRunner
 from vllm_omni.worker.gpu_generation_model_runner import GPUGenerationModelRunner
 from vllm_omni.worker.mixins import OmniWorkerMixin
 
-from omni_cpu_fastpath import envs, step_stats
+from omni_cpu_fastpath import cpu_threads, envs, step_stats
 
 from . import core_sharing
 
@@ -126,12 +126,13 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         else:
             step_stats.served("core_sharing", f"off ({core_sharing.why_off()})")
 
-    def _fit_threads(self) -> None:
-        # Before each forward and talker-MTP call: one thread while code2wav decodes beside it.
+    def _fit_threads(self, scheduler_output: Any) -> None:
+        # Once per engine step, before vLLM's CPU attention builds its metadata: that metadata
+        # holds the thread count, and the attention kernel refuses to run under another one.
         if self._threads is not None:
-            threads = self._threads.fit()
-            if self._gap_from is not None:
-                step_stats.record(step_stats.TALKER_THREADS, float(threads))
+            scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+            decode_only = all(n <= 1 for n in scheduled.values())
+            step_stats.record(step_stats.TALKER_THREADS, float(self._threads.fit(decode_only)))
 
     # --- engine gap: step wall time outside the model calls --------------------------------------
     # A step's gap runs from the end of the previous step (when this step continues one of its
@@ -140,7 +141,11 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
     # output hand-off to the next stage, input preparation, logits and output building.
 
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-        if not step_stats.enabled():
+        stats = step_stats.enabled()
+        if stats:
+            step_stats.end_step()  # values of the start-up runs close into a line of their own
+        self._fit_threads(scheduler_output)
+        if not stats:
             return super().execute_model(scheduler_output, intermediate_tensors)
         now = time.perf_counter()
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
@@ -176,7 +181,6 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
                 step_stats.record(name, elapsed * 1e3)
 
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
-        self._fit_threads()
         if self._gap_from is not None:
             self._ran_forward = True
         return self._timed_call(step_stats.MODEL_FORWARD, super()._model_forward, *args, **kwargs)
@@ -192,8 +196,6 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         # The omni runner calls itself once per row when seeded rows cannot share a batch:
         # time and record once, around the outermost call, when every row's codes are in place.
         outer = not self._in_talker_mtp
-        if outer:
-            self._fit_threads()
         self._in_talker_mtp = True
         try:
             if outer and decode_req_ids:  # a prefill-only step has no MTP work to time
@@ -287,11 +289,15 @@ class _CpuOmniWorkerMixin:
         self.model_runner = None
         gc.collect()
         self.model_runner = self.model_runner_cls(self.vllm_config, self.device)  # type: ignore[attr-defined]
+        # After vLLM bound the threads, in the thread that will run the model.
+        blocktime = cpu_threads.apply_blocktime()
+        step_stats.served("openmp.blocktime", blocktime)
         logger.info(
-            "omni-cpu-fastpath: %s with %s (torch threads %d)",
+            "omni-cpu-fastpath: %s with %s (torch threads %d, OpenMP blocktime %s)",
             type(self).__name__,
             self.model_runner_cls.__name__,
             torch.get_num_threads(),
+            blocktime,
         )
 
 

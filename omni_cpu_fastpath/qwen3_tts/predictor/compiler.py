@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from omni_cpu_fastpath import step_stats
+from omni_cpu_fastpath.cpu_threads import set_torch_threads
 from omni_cpu_fastpath.errors import describe
 
 from . import compile_cache
@@ -294,9 +295,9 @@ class ThreadCap:
         if self.n:
             self.prev = torch.get_num_threads()
             if self.n != self.prev:
-                torch.set_num_threads(self.n)
+                set_torch_threads(self.n)
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.n and self.prev and self.prev != torch.get_num_threads():
-            torch.set_num_threads(self.prev)
+            set_torch_threads(self.prev)

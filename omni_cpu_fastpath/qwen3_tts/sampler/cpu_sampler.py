@@ -14,6 +14,7 @@ from vllm.v1.outputs import SamplerOutput
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from omni_cpu_fastpath import envs, step_stats
+from omni_cpu_fastpath.cpu_threads import set_torch_threads
 from omni_cpu_fastpath.qwen3_tts.sampler import fast_roads, general_road
 from omni_cpu_fastpath.qwen3_tts.sampler import kernel as c_kernel
 from omni_cpu_fastpath.qwen3_tts.sampler.stats import ROAD, SAMPLE
@@ -70,11 +71,11 @@ class CpuSampler(nn.Module):
             threads = torch.get_num_threads()
             if self.max_threads is None or threads <= self.max_threads or logits.numel() > SMALL_STEP:
                 return self._forward(logits, md, road, predict_bonus_token, logprobs_mode_override)
-            torch.set_num_threads(self.max_threads)
+            set_torch_threads(self.max_threads)
             try:
                 return self._forward(logits, md, road, predict_bonus_token, logprobs_mode_override)
             finally:
-                torch.set_num_threads(threads)
+                set_torch_threads(threads)
 
     def path(self, logits: torch.Tensor, md: SamplingMetadata) -> str:
         """Which road a step takes: "kernel", "numpy" (the talker's step) or "general"."""
