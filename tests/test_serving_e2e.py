@@ -420,6 +420,10 @@ def test_served_path_records_the_model_timers_and_components(server):
         sharing = f"talker: 1 of {cpus} threads while code2wav decodes"
         assert talker["core_sharing"].startswith(sharing), talker
         assert float(cpus) in threads and threads <= {1.0, float(cpus)}, threads
+        # Recorded as its step starts, into that step's line: every line of a decode step holds
+        # the thread count it ran at, beside its forward and predictor timers.
+        decode = [ln["values"] for ln in lines if "model.talker_mtp_ms" in ln["values"]]
+        assert decode and all(len(v.get("talker.threads", [])) == 1 for v in decode), decode[:3]
     else:
         assert talker["core_sharing"].startswith("off ("), talker
         assert not threads, threads

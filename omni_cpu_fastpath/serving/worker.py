@@ -70,12 +70,16 @@ class _CpuOmniRunnerMixin:
         # Values recorded outside a step (the start-up dummy runs) close into a line of their
         # own, so every later line holds exactly one engine step.
         step_stats.end_step()
+        self._start_step(scheduler_output)
         out = super().execute_model(scheduler_output, intermediate_tensors)  # type: ignore[misc]
         if out is not None:
             # An output here means no sample_tokens follows (nothing scheduled, an encoder-only
             # step): the step ends now, or its values would run into the next step's line.
             self._end_step()
         return out
+
+    def _start_step(self, scheduler_output: Any) -> None:
+        """Between the previous step's line and this step's model calls (what it records is this step's)."""
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
         # execute_model then sample_tokens is one engine step; the step's timers end here.
@@ -140,13 +144,10 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
     # to the end of this step, minus the time inside talker MTP, forward and sampling: scheduling,
     # output hand-off to the next stage, input preparation, logits and output building.
 
-    def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
-        stats = step_stats.enabled()
-        if stats:
-            step_stats.end_step()  # values of the start-up runs close into a line of their own
+    def _start_step(self, scheduler_output: Any) -> None:
         self._fit_threads(scheduler_output)
-        if not stats:
-            return super().execute_model(scheduler_output, intermediate_tensors)
+        if not step_stats.enabled():
+            return
         now = time.perf_counter()
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         continues = self._last_step_end is not None and any(r in self._last_step_reqs for r in scheduled)
@@ -154,7 +155,6 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         self._covered_s = 0.0
         self._ran_forward = False
         self._step_tokens = sum(scheduled.values())
-        return super().execute_model(scheduler_output, intermediate_tensors)
 
     def _end_step(self) -> None:
         if self._gap_from is not None:
