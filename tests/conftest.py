@@ -27,6 +27,32 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
+def _restore_environ(before: dict[str, str]) -> None:
+    for name in set(os.environ) - set(before):
+        del os.environ[name]
+    for name, value in before.items():
+        if os.environ.get(name) != value:
+            os.environ[name] = value
+
+
+# Building a VllmConfig in-process runs the CPU platform's check_and_update_config, which writes
+# torch's GNU OpenMP into os.environ["LD_PRELOAD"] (and more). Left there, every server a later test
+# starts would inherit it and could not load Intel OpenMP: each module and each test gets the
+# environment back as it found it.
+@pytest.fixture(scope="module", autouse=True)
+def _module_environ() -> Iterator[None]:
+    before = dict(os.environ)
+    yield
+    _restore_environ(before)
+
+
+@pytest.fixture(autouse=True)
+def _test_environ() -> Iterator[None]:
+    before = dict(os.environ)
+    yield
+    _restore_environ(before)
+
+
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
     cache: dict[tuple, Path] = {}

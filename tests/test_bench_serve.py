@@ -227,3 +227,16 @@ def test_ttfa_floor_adds_the_prefill_and_one_frame_per_request(tmp_path: Path) -
     # Two requests' prompts in one step: their first frames (floors per frame) both come first.
     assert serve.ttfa_floor_ms(config, 60, rows, 2, peak) == pytest.approx(2 * prefill_ms + 160.0, rel=1e-3)
     assert serve.ttfa_floor_ms(config, 0, rows, 1, peak) is None  # no prompt recorded: no figure
+
+
+def test_a_failed_servers_first_error_is_printed_before_the_end_of_its_log() -> None:
+    cause = "(EngineCore pid=7) ERROR 12-03 05:00:01 [core.py:1] RuntimeError: the root cause"
+    filler = [f"INFO line {i}" for i in range(300)]
+    text = "\n".join(["INFO start", cause, *filler, "Traceback (most recent call last):", "EngineDeadError"])
+    excerpt = serve.failure_excerpt(text)
+    assert cause in excerpt and excerpt.index(cause) < excerpt.index("EngineDeadError")
+    assert "INFO start" not in excerpt  # what came before the first error is left out
+    assert excerpt.endswith("EngineDeadError")
+    # A log whose error is within its last lines is printed once, as its end.
+    short = "\n".join(["INFO start", cause, "EngineDeadError"])
+    assert serve.failure_excerpt(short).count(cause) == 1

@@ -211,6 +211,39 @@ def _stats_lines(server: serving.Server) -> list[dict]:
     return [json.loads(x) for f in stats_dir.glob("*.jsonl") if ".codes." not in f.name for x in f.open()]
 
 
+# vllm-omni's qwen3_tts.yaml: the talker schedules at most this many tokens in one engine step.
+TALKER_STEP_TOKENS = 512
+
+
+def _scheduled_tokens(server: serving.Server) -> list[float]:
+    return [v for ln in _stats_lines(server) for v in ln["values"].get(step_stats.ENGINE_TOKENS, [])]
+
+
+def test_a_seeded_prompt_prefilled_in_parts_samples_as_if_prefilled_whole(server, tiny_model_dir, tmp_path):
+    # The steps that prefill part of a prompt sample a token that vLLM throws away; the request's
+    # generator must leave them where it entered them. Reference: the same request on a server
+    # whose step budget takes the whole prompt in one step. Frame 0 is compared: a generator off
+    # by one draw changes every code of it, while later frames may tip apart by rounding alone
+    # (attention over a cached first part does not round like one pass over the whole prompt).
+    text = " ".join(f"part{i}" for i in range(300))
+    seen = set(_codes(server))
+    speech = serving.synthesize(server, text, max_frames=4, seed=77)
+    assert speech.audio_s > 0
+    (in_parts,) = [c for k, c in _codes(server).items() if k not in seen]
+    assert float(TALKER_STEP_TOKENS) in _scheduled_tokens(server), "the prompt was not prefilled in parts"
+    _still_serving(server)
+
+    env = {**server.env, "VLLM_OMNI_STEP_STATS_DIR": str(tmp_path / "stats")}
+    overrides = json.dumps({"0": {"max_num_batched_tokens": 4096}})
+    with serving.running_server(
+        str(tiny_model_dir), tmp_path / "whole.log", ["--stage-overrides", overrides], env=env
+    ) as whole:
+        serving.synthesize(whole, text, max_frames=4, seed=77)
+        (at_once,) = _codes(whole).values()
+        assert max(_scheduled_tokens(whole)) > TALKER_STEP_TOKENS, "the prompt was not prefilled whole"
+    assert in_parts[0] == at_once[0], (in_parts[:2], at_once[:2])
+
+
 def test_streaming_request_returns_audio_early(server, tiny_model_dir):
     sent_from = time.time()
     speech = serving.synthesize_streaming(

@@ -324,10 +324,8 @@ def bench_impl(
                 runs += speeches
     except Exception:
         # The work folder goes with the run: say what the server said first.
-        tail = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:] if log.exists() else []
-        sys.stderr.write(
-            f"bench serve: the {impl} server failed; the end of its log:\n" + "\n".join(tail) + "\n"
-        )
+        text = log.read_text(errors="replace") if log.exists() else ""
+        sys.stderr.write(f"bench serve: the {impl} server failed.\n{failure_excerpt(text)}\n")
         raise
     audio_s = sum(r.audio_s for r in runs)
     audio_frames = round(sum(r.audio_s for r in runs) * sr / samples_per_frame(model))
@@ -348,6 +346,24 @@ def bench_impl(
         "summary": summary,
         "served": step_stats.served_dir(stats_dir),
     }
+
+
+def failure_excerpt(log_text: str) -> str:
+    """What to print of a failed server's log: its first error with the lines after it, then its end.
+
+    The end alone is usually the API server's traceback about a dead engine; the cause (a stage
+    worker's exception) was logged earlier.
+    """
+    lines = log_text.splitlines()
+    first = next((i for i, ln in enumerate(lines) if " ERROR " in ln or ln.startswith("Traceback")), None)
+    tail_from = max(0, len(lines) - LOG_TAIL_LINES)
+    parts = []
+    if first is not None and first < tail_from:
+        parts.append(
+            "The first error in its log:\n" + "\n".join(lines[first : min(first + LOG_TAIL_LINES, tail_from)])
+        )
+    parts.append("The end of its log:\n" + "\n".join(lines[tail_from:]))
+    return "\n".join(parts)
 
 
 def _counters(summary: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:

@@ -188,6 +188,37 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
     def _sample(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed_call(step_stats.MODEL_SAMPLE, super()._sample, *args, **kwargs)
 
+    # --- seeded requests whose prompt is prefilled over several steps ---------------------------
+    # A step that prefills only part of a prompt still samples a token for that request, and
+    # vLLM discards it. vLLM then rewinds the request's generator by moving its Philox offset
+    # back, which a CPU generator refuses ("CPU Generator does not use offset"): the talker
+    # engine dies. Here the generator state of each such row is saved before sampling and put
+    # back in place of vLLM's rewind, which leaves the generator exactly where it was.
+
+    _discarded_rows: dict[int, torch.Tensor] = {}  # batch row -> its generator's state before sampling
+
+    def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+        if self.execute_model_state is not None:
+            num_reqs = self.input_batch.num_reqs
+            generators = self.input_batch.generators
+            self._discarded_rows = {
+                int(i): generators[int(i)].get_state()
+                for i in self.discard_request_mask.np[:num_reqs].nonzero()[0]
+                if int(i) in generators
+            }
+        return super().sample_tokens(*args, **kwargs)
+
+    def _bookkeeping_sync(self, *args: Any, **kwargs: Any) -> Any:
+        generators = self.input_batch.generators
+        withheld = {i: generators.pop(i) for i in self._discarded_rows if i in generators}
+        try:
+            return super()._bookkeeping_sync(*args, **kwargs)
+        finally:
+            for i, generator in withheld.items():
+                generator.set_state(self._discarded_rows[i])
+                generators[i] = generator
+            self._discarded_rows = {}
+
     # --- talker MTP ----------------------------------------------------------------------------
 
     def _talker_mtp_forward(
