@@ -4,21 +4,27 @@
  * time to stream the weights from memory once. On CPUs without AVX-512 (AMD EPYC before Zen 4,
  * many desktop parts) torch's kernels for these products run far above that floor: ATen's
  * _weight_int8pack_mm vectorizes only with AVX-512, and a bf16 product without AVX512-BF16 is
- * emulated. This kernel streams each weight row once for all rows of x: 8 weights widened to
- * float32 per AVX2 instruction (an int8 by conversion, a bf16 by a 16-bit shift), fused
- * multiply-add into float32 register accumulators, two per row of x over even and odd blocks of
- * 8 weights. A bf16 (or int8) weight times a bf16 activation is exact in float32, so only the
- * summation order differs from torch's, and each row is summed in the same order whatever its
- * batch neighbours and the thread count, so batching never changes a row's result.
+ * emulated. This kernel streams each weight row once for all rows of x: 16 weights (AVX-512) or
+ * 8 (AVX2) widened to float32 per instruction (an int8 by conversion, a bf16 by a 16-bit shift),
+ * fused multiply-add into float32 register accumulators, two per row of x over even and odd
+ * blocks of weights. With several rows of x the widening and the multiply-adds, not the memory,
+ * bound the time, which is why the wider registers pay where the CPU has them. A bf16 (or int8)
+ * weight times a bf16 activation is exact in float32, so only the summation order differs from
+ * torch's, and each row is summed in the same order whatever its batch neighbours and the thread
+ * count, so batching never changes a row's result (the order differs between the AVX2 and the
+ * AVX-512 path, which one CPU always takes the same way).
  *
- *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads)
+ *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa)
  *
  * Pointers arrive as integers from cpu_gemv.py, which checks dtypes, shapes and contiguity. x is
  * [rows, k] (bf16 or float32); w is [n, k] with row stride ldw, int8 (w_kind 0) or bf16 (1);
  * scale is [n] (bf16 or float32), or 0 for none; y is [rows, n] (bf16, rounded to nearest even,
- * or float32). Blocks of output channels go to `threads` OpenMP threads (torch's own runtime once
- * torch is loaded) as each thread becomes free, so a thread that loses its core to another
- * process holds up only the block it is on.
+ * or float32); isa is the widest instruction set to use: 0 none, 1 AVX2, 2 AVX-512 (simd() says
+ * which this CPU has). Blocks of output channels go to `threads` OpenMP threads (torch's own
+ * runtime once torch is loaded) in guided chunks: long runs of consecutive weight rows, which the
+ * hardware prefetcher streams (runs of one small block each, handed out one at a time, left half
+ * the bandwidth unused), shrinking towards the end so that a thread that lost its core for a
+ * while holds up the others by a small chunk only.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -29,7 +35,7 @@
 #include <string.h>
 
 #define MAX_ROWS 8
-#define BLOCK_N 16 /* output channels per scheduling unit */
+#define BLOCK_N 64 /* output channels per scheduling unit */
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -78,78 +84,105 @@ __attribute__((target("avx2,fma"))) static inline __m256 widen8_bf16(const void 
 DEFINE_SCALAR(i8)
 DEFINE_SCALAR(bf16)
 
-/* AVX2 path: one output channel for R = 1..4 rows of x, every accumulator in a register. */
-#define DEFINE_GROUP(KIND, R)                                                                        \
-    __attribute__((target("avx2,fma"))) static void group##R##_##KIND(const float *x, Py_ssize_t k,   \
-                                                                      const void *w, float *acc) {   \
-        __m256 a[R], b[R];                                                                           \
-        for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                               \
-        Py_ssize_t k8 = k & ~(Py_ssize_t)7, i = 0;                                                   \
-        for (; i + 16 <= k8; i += 16) {                                                              \
-            __m256 w0 = widen8_##KIND(w, i), w1 = widen8_##KIND(w, i + 8);                           \
+#define AVX512 "avx512f"
+
+__attribute__((target(AVX512))) static inline __m512 widen16_i8(const void *w, Py_ssize_t i) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i))));
+}
+
+__attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w, Py_ssize_t i) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + i));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* The vector operations of each path: AVX2 widens 8 weights per instruction, AVX-512 16. */
+#define AVX2_OPS "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, \
+                 hsum256, widen8
+#define AVX512_OPS AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps, \
+                   _mm512_reduce_add_ps, widen16
+
+/* One output channel for R = 1..4 rows of x, every accumulator in a register: two per row, over
+ * even and odd blocks of W weights, then one block of W, then the last k % W one by one. */
+#define DEFINE_GROUP(ISA, R, KIND, ...) DEFINE_GROUP_(ISA, R, KIND, __VA_ARGS__)
+#define DEFINE_GROUP_(ISA, R, KIND, TARGET, VEC, W, ZERO, LOADU, FMADD, ADD, HSUM, WIDEN)           \
+    __attribute__((target(TARGET))) static void ISA##_group##R##_##KIND(const float *x, Py_ssize_t k, \
+                                                                        const void *w, float *acc) { \
+        VEC a[R], b[R];                                                                              \
+        for (int m = 0; m < R; m++) a[m] = b[m] = ZERO();                                            \
+        Py_ssize_t kw = k - k % W, i = 0;                                                            \
+        for (; i + 2 * W <= kw; i += 2 * W) {                                                        \
+            VEC w0 = WIDEN##_##KIND(w, i), w1 = WIDEN##_##KIND(w, i + W);                            \
             for (int m = 0; m < R; m++) {                                                            \
                 const float *xm = x + (Py_ssize_t)m * k + i;                                         \
-                a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xm), a[m]);                               \
-                b[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xm + 8), b[m]);                           \
+                a[m] = FMADD(w0, LOADU(xm), a[m]);                                                   \
+                b[m] = FMADD(w1, LOADU(xm + W), b[m]);                                               \
             }                                                                                        \
         }                                                                                            \
-        for (; i < k8; i += 8) {                                                                     \
-            __m256 w0 = widen8_##KIND(w, i);                                                         \
-            for (int m = 0; m < R; m++)                                                              \
-                a[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + (Py_ssize_t)m * k + i), a[m]);        \
+        for (; i < kw; i += W) {                                                                     \
+            VEC w0 = WIDEN##_##KIND(w, i);                                                           \
+            for (int m = 0; m < R; m++) a[m] = FMADD(w0, LOADU(x + (Py_ssize_t)m * k + i), a[m]);    \
         }                                                                                            \
         for (int m = 0; m < R; m++) {                                                                \
-            float s = hsum256(_mm256_add_ps(a[m], b[m]));                                            \
-            for (Py_ssize_t j = k8; j < k; j++) s += load_##KIND(w, j) * x[(Py_ssize_t)m * k + j];   \
+            float s = HSUM(ADD(a[m], b[m]));                                                         \
+            for (Py_ssize_t j = kw; j < k; j++) s += load_##KIND(w, j) * x[(Py_ssize_t)m * k + j];   \
             acc[m] = s;                                                                              \
         }                                                                                            \
     }
-#define DEFINE_KIND(KIND)                                                                            \
-    DEFINE_GROUP(KIND, 1)                                                                            \
-    DEFINE_GROUP(KIND, 2)                                                                            \
-    DEFINE_GROUP(KIND, 3)                                                                            \
-    DEFINE_GROUP(KIND, 4)                                                                            \
-    __attribute__((target("avx2,fma"))) static void avx2_##KIND(const float *x, int rows, Py_ssize_t k, \
-                                                                const void *w, float *acc) {         \
+#define DEFINE_KIND(ISA, KIND, OPS)                                                                  \
+    DEFINE_GROUP(ISA, 1, KIND, OPS)                                                                  \
+    DEFINE_GROUP(ISA, 2, KIND, OPS)                                                                  \
+    DEFINE_GROUP(ISA, 3, KIND, OPS)                                                                  \
+    DEFINE_GROUP(ISA, 4, KIND, OPS)                                                                  \
+    static void ISA##_##KIND(const float *x, int rows, Py_ssize_t k, const void *w, float *acc) {    \
         switch (rows) {                                                                              \
-            case 1: group1_##KIND(x, k, w, acc); break;                                              \
-            case 2: group2_##KIND(x, k, w, acc); break;                                              \
-            case 3: group3_##KIND(x, k, w, acc); break;                                              \
-            default: group4_##KIND(x, k, w, acc); break;                                             \
+            case 1: ISA##_group1_##KIND(x, k, w, acc); break;                                        \
+            case 2: ISA##_group2_##KIND(x, k, w, acc); break;                                        \
+            case 3: ISA##_group3_##KIND(x, k, w, acc); break;                                        \
+            default: ISA##_group4_##KIND(x, k, w, acc); break;                                       \
         }                                                                                            \
     }
-DEFINE_KIND(i8)
-DEFINE_KIND(bf16)
+DEFINE_KIND(avx2, i8, AVX2_OPS)
+DEFINE_KIND(avx2, bf16, AVX2_OPS)
+DEFINE_KIND(avx512, i8, AVX512_OPS)
+DEFINE_KIND(avx512, bf16, AVX512_OPS)
 
 typedef void (*channel_fn)(const float *x, int rows, Py_ssize_t k, const void *w, float *acc);
 
-static int have_avx2_fma(void) {
+/* The widest instruction set this CPU runs: 0 none, 1 AVX2 with FMA, 2 AVX-512F as well. */
+static int best_isa(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
+    return __builtin_cpu_supports("avx512f") ? 2 : 1;
 }
+
+static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
 
 static PyObject *gemv(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, scale_addr, y_addr;
-    int x_bf16, rows, w_kind, scale_bf16, y_bf16, threads;
+    int x_bf16, rows, w_kind, scale_bf16, y_bf16, threads, isa;
     Py_ssize_t k, ldw, n;
-    if (!PyArg_ParseTuple(args, "KpinKinnKpKpi", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
-                          &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads))
+    if (!PyArg_ParseTuple(args, "KpinKinnKpKpii", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
+                          &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads, &isa))
         return NULL;
-    if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1 || ldw < k || threads < 1 || w_kind < 0 || w_kind > 1) {
+    if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1 || ldw < k || threads < 1 || w_kind < 0 || w_kind > 1 ||
+        isa < 0 || isa > best_isa()) {
         PyErr_Format(PyExc_ValueError,
                      "gemv: rows must be 1..%d, k and n positive, ldw >= k, threads >= 1, w_kind 0 (int8) "
-                     "or 1 (bf16)",
-                     MAX_ROWS);
+                     "or 1 (bf16), isa 0..%d (this CPU's widest)",
+                     MAX_ROWS, best_isa());
         return NULL;
     }
-    const int avx2 = have_avx2_fma();
-    channel_fn channel = w_kind == 0 ? (avx2 ? avx2_i8 : scalar_i8) : (avx2 ? avx2_bf16 : scalar_bf16);
+    static const channel_fn CHANNELS[3][2] = {
+        {scalar_i8, scalar_bf16}, {avx2_i8, avx2_bf16}, {avx512_i8, avx512_bf16}};
+    const channel_fn channel = CHANNELS[isa][w_kind];
+    const int group = 4; /* rows of x per call of channel: their floats stay in L1 */
     const size_t wsize = w_kind == 0 ? 1 : 2;
     const char *w = (const char *)(uintptr_t)w_addr;
     float *xf = NULL;
     const float *x = (const float *)(uintptr_t)x_addr;
     if (x_bf16) {
-        xf = malloc(sizeof(float) * (size_t)rows * (size_t)k);
+        /* 64-byte aligned: a 512-bit load that straddles two cache lines costs two. */
+        xf = aligned_alloc(64, (sizeof(float) * (size_t)rows * (size_t)k + 63) & ~(size_t)63);
         if (!xf) return PyErr_NoMemory();
         const uint16_t *xb = (const uint16_t *)(uintptr_t)x_addr;
         for (Py_ssize_t i = 0; i < (Py_ssize_t)rows * k; i++) xf[i] = bf16_to_float(xb[i]);
@@ -157,14 +190,14 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     }
     const Py_ssize_t blocks = (n + BLOCK_N - 1) / BLOCK_N;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+#pragma omp parallel for schedule(guided) num_threads(threads)
     for (Py_ssize_t b = 0; b < blocks; b++) {
-        float acc[4];
+        float acc[MAX_ROWS];
         Py_ssize_t end = (b + 1) * BLOCK_N < n ? (b + 1) * BLOCK_N : n;
-        /* Rows in groups of 4, each over the whole block: a group's rows of x stay in L1, and
-         * the block's weights, read from memory by the first group, come from cache for the next. */
-        for (int r = 0; r < rows; r += 4) {
-            int g = rows - r < 4 ? rows - r : 4;
+        /* Rows in groups, each over the whole block: a group's rows of x stay in L1, and the
+         * block's weights, read from memory by the first group, come from cache for the next. */
+        for (int r = 0; r < rows; r += group) {
+            int g = rows - r < group ? rows - r : group;
             const float *xr = x + (Py_ssize_t)r * k;
             for (Py_ssize_t j = b * BLOCK_N; j < end; j++) {
                 channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize, acc);
@@ -189,12 +222,12 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
 }
 
 static PyObject *simd(PyObject *self, PyObject *args) {
-    return PyUnicode_FromString(have_avx2_fma() ? "avx2" : "scalar");
+    return Py_BuildValue("(is)", best_isa(), ISA_NAMES[best_isa()]);
 }
 
 static PyMethodDef methods[] = {
     {"gemv", gemv, METH_VARARGS, "y = (x @ w^T) * scale for 1-8 rows of x (see the file's comment)"},
-    {"simd", simd, METH_NOARGS, "the instruction set the kernel uses on this CPU"},
+    {"simd", simd, METH_NOARGS, "(isa, name): the widest instruction set this CPU runs"},
     {NULL, NULL, 0, NULL},
 };
 

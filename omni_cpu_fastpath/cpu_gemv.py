@@ -2,11 +2,12 @@
 
 ``y = (x @ w.T) * scale`` for 1 to :data:`MAX_ROWS` rows of bf16 or float32 ``x`` and int8
 (per-output-channel ``scale``) or bf16 weights ``w``: the decode steps of the talker and the code
-predictor. The kernel streams each weight row once for every row of ``x`` (AVX2 where the CPU has
-it), where torch's kernels for the same products run far above the weight-streaming floor on CPUs
-without AVX-512 (ATen's ``_weight_int8pack_mm`` vectorizes only with AVX-512; bf16 products are
-emulated without AVX512-BF16). Products are exact in float32; only the summation order differs
-from torch's, and a row's result does not depend on its batch neighbours or the thread count.
+predictor. The kernel streams each weight row once for every row of ``x`` (AVX-512 or AVX2 where
+the CPU has it, ``VLLM_OMNI_CPU_GEMV_ISA`` caps it), where torch's kernels for the same products
+run far above the weight-streaming floor on CPUs without AVX-512 (ATen's ``_weight_int8pack_mm``
+vectorizes only with AVX-512; bf16 products are emulated without AVX512-BF16). Products are exact
+in float32; only the summation order differs from torch's, and a row's result does not depend on
+its batch neighbours or the thread count.
 
 Eager calls only: compiled graphs keep torch's ops, which Inductor's GEMM templates replace. A
 layer decides when it is built (:func:`wanted`): not where the extension was not built or
@@ -17,6 +18,7 @@ against a float64 product, and a kernel that disagrees is not used (the status s
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import Any
 
@@ -30,6 +32,17 @@ MAX_ROWS = 8
 _ACTIVATIONS = (torch.bfloat16, torch.float32)
 _WEIGHT_KINDS = {torch.int8: 0, torch.bfloat16: 1}
 _OFF = "torch's kernels (VLLM_OMNI_CPU_GEMV=0)"
+_ISA_CAPS = {"auto": 2, "avx2": 1, "scalar": 0}  # the kernel's isa argument: 0 none, 1 AVX2, 2 AVX-512
+_ISA_NAMES = ("scalar", "avx2", "avx512")
+
+
+@functools.cache
+def _isa() -> int:
+    """The instruction set the kernel takes: this CPU's widest, capped by VLLM_OMNI_CPU_GEMV_ISA
+    (read once per process, when the kernel is first loaded)."""
+    from omni_cpu_fastpath import _cpu_gemv  # type: ignore[attr-defined]
+
+    return min(_cpu_gemv.simd()[0], _ISA_CAPS[envs.get("VLLM_OMNI_CPU_GEMV_ISA")])
 
 
 @functools.cache
@@ -45,7 +58,7 @@ def _extension() -> tuple[Any, str]:
     if error is not None:
         logger.warning("few-row products: the C kernel disagrees with float64 (%s); torch serves them", error)
         return None, f"torch's kernels (the C kernel failed its check: {error})"
-    return _cpu_gemv, f"C kernel ({_cpu_gemv.simd()}) for 1-{MAX_ROWS} rows"
+    return _cpu_gemv, f"C kernel ({_ISA_NAMES[_isa()]}) for 1-{MAX_ROWS} rows"
 
 
 def wanted() -> bool:
@@ -111,12 +124,14 @@ def gemv(
         y.data_ptr(),
         out_dtype is torch.bfloat16,
         torch.get_num_threads(),
+        _isa(),
     )
     return y
 
 
 def _self_check(ext: Any) -> str | None:
-    """None when the kernel matches a float64 product on odd shapes, else what differed."""
+    """None when the kernel matches a float64 product on odd shapes, in every instruction set this
+    CPU runs, else what differed."""
     g = torch.Generator().manual_seed(0)
     f32 = torch.float32  # explicit: vLLM loads a model under its dtype as torch's default
     for rows, k, n in ((1, 1037, 70), (3, 64, 33), (8, 200, 17)):
@@ -124,15 +139,17 @@ def _self_check(ext: Any) -> str | None:
         s = torch.rand(n, generator=g, dtype=f32) / 100
         int8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         bf16 = torch.randn(n, k, generator=g, dtype=f32).to(torch.bfloat16)
-        for w, kind, scale in ((int8, 0, s), (bf16, 1, None)):
+        for (w, kind, scale), isa in itertools.product(
+            ((int8, 0, s), (bf16, 1, None)), range(ext.simd()[0] + 1)
+        ):
             y = torch.empty(rows, n, dtype=f32)
             ptrs = (x.data_ptr(), w.data_ptr(), 0 if scale is None else scale.data_ptr(), y.data_ptr())
-            ext.gemv(ptrs[0], False, rows, k, ptrs[1], kind, k, n, ptrs[2], False, ptrs[3], False, 1)
+            ext.gemv(ptrs[0], False, rows, k, ptrs[1], kind, k, n, ptrs[2], False, ptrs[3], False, 1, isa)
             sd = 1.0 if scale is None else scale.double()
             ref = (x.double() @ w.double().T) * sd
             # float32: k rounded products, k - 1 additions, the scale's product, each within 2^-24.
             bound = (k + 2) * 2.0**-24 * ((x.double().abs() @ w.double().abs().T) * sd) + 1e-30
             if not bool(((y.double() - ref).abs() <= bound).all()):
                 err = (y.double() - ref).abs().max().item()
-                return f"{w.dtype} rows={rows} k={k} n={n}: max error {err:.3g}"
+                return f"{w.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}: max error {err:.3g}"
     return None

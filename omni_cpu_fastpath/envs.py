@@ -129,6 +129,15 @@ FLAGS: dict[str, Flag] = {
             "CPU lacks native bf16, through the package's C kernel when built; 0: torch's kernels.",
         ),
         Flag(
+            "VLLM_OMNI_CPU_GEMV_ISA",
+            "choice",
+            "auto",
+            "The widest instruction set VLLM_OMNI_CPU_GEMV's kernel may use: auto (the widest this CPU "
+            "runs: AVX-512, else AVX2), avx2, scalar. The summation order, and so the last bits of "
+            "a product, differ between them.",
+            choices=("auto", "avx2", "scalar"),
+        ),
+        Flag(
             "VLLM_OMNI_PREDICTOR_THREADS",
             "int",
             "0",

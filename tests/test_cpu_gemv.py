@@ -3,12 +3,14 @@ vLLM's bf16 CPU linear, and the layers' choice between them (``VLLM_OMNI_CPU_GEM
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn as nn
+from cpu_helpers import widest_simd_by_cpuinfo
 
 from omni_cpu_fastpath import cpu_gemv
 from omni_cpu_fastpath.qwen3_tts import quant
@@ -38,10 +40,64 @@ def _reference_and_bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor | Non
     return ref, bound + 1e-30
 
 
-def test_the_kernel_is_built_and_checked() -> None:
+ISAS = ("scalar", "avx2", "avx512")  # the extension's isa argument: their index
+
+
+def test_the_kernel_is_built_and_checked_and_takes_the_widest_simd_of_this_cpu() -> None:
     # setup builds it; without it the int8 layers run ATen's kernel, and this test says so.
     assert cpu_gemv.wanted(), cpu_gemv.status()
-    assert cpu_gemv.status().startswith("C kernel ("), cpu_gemv.status()
+    widest = widest_simd_by_cpuinfo()
+    assert cpu_gemv.status() == f"C kernel ({widest}) for 1-8 rows", cpu_gemv.status()
+    assert cpu_gemv._extension()[0].simd() == (ISAS.index(widest), widest)
+
+
+@pytest.mark.parametrize("cap, bad", [("avx2", False), ("scalar", False), ("avx-512", True)])
+def test_the_isa_flag_caps_the_instruction_set_and_a_bad_value_is_named(cap: str, bad: bool) -> None:
+    code = "from omni_cpu_fastpath import cpu_gemv\nprint(cpu_gemv.status())\n"
+    env = {**os.environ, "VLLM_OMNI_CPU_GEMV_ISA": cap}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    if bad:
+        assert out.returncode != 0
+        assert "VLLM_OMNI_CPU_GEMV_ISA" in out.stderr and "avx2" in out.stderr, out.stderr[-2000:]
+        return
+    assert out.returncode == 0, out.stderr[-2000:]
+    want = ISAS[min(ISAS.index(cap), ISAS.index(widest_simd_by_cpuinfo()))]
+    assert out.stdout.strip().splitlines()[-1] == f"C kernel ({want}) for 1-8 rows"
+
+
+def _ext_gemv(
+    isa: int, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, threads: int
+) -> torch.Tensor:
+    rows, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    cpu_gemv._extension()[0].gemv(
+        x.data_ptr(), x.dtype is torch.bfloat16, rows, k, w.data_ptr(), int(w.dtype is torch.bfloat16),
+        k, n, 0 if s is None else s.data_ptr(), s is not None and s.dtype is torch.bfloat16,
+        y.data_ptr(), False, threads, isa,
+    )  # fmt: skip
+    return y
+
+
+@pytest.mark.parametrize("isa", range(len(ISAS)))
+def test_every_simd_of_this_cpu_equals_float64_and_keeps_each_row_alone(isa: int) -> None:
+    """Each instruction set's path on its own (the layers take only the widest): within float32
+    accumulation of float64, on k that leave tails of every width, and each row the same alone
+    as in any batch at any thread count."""
+    if isa > ISAS.index(widest_simd_by_cpuinfo()):
+        with pytest.raises(ValueError, match="isa 0"):
+            _ext_gemv(isa, *_operands(1, 64, 8, torch.float32, torch.float32), 1)
+        return
+    for k in (15, 48, 1037):
+        x, q, s = _operands(8, k, 70, torch.bfloat16, torch.bfloat16, seed=isa * 10 + k)
+        for w, scales in ((q, s), (_bf16_weight(70, k, seed=k), None)):
+            alone = torch.cat([_ext_gemv(isa, x[i : i + 1], w, scales, 1) for i in range(8)])
+            ref, bound = _reference_and_bound(x, w, scales, torch.float32)
+            assert bool(((alone.double() - ref).abs() <= bound).all()), (ISAS[isa], k, w.dtype)
+            for threads in (1, 2, 3):
+                for rows in (2, 4, 5, 8):
+                    got = _ext_gemv(isa, x[:rows], w, scales, threads)
+                    assert torch.equal(got, alone[:rows]), (ISAS[isa], k, threads, rows)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
@@ -117,9 +173,9 @@ def test_bad_arguments_to_the_extension_raise_not_crash() -> None:
     ext = cpu_gemv._extension()[0]
     x, q, s = _operands(1, 8, 4, torch.float32, torch.float32)
     y = torch.empty(1, 4)
-    args = [x.data_ptr(), False, 1, 8, q.data_ptr(), 0, 8, 4, s.data_ptr(), False, y.data_ptr(), False, 1]
+    args = [x.data_ptr(), False, 1, 8, q.data_ptr(), 0, 8, 4, s.data_ptr(), False, y.data_ptr(), False, 1, 0]
     ext.gemv(*args)  # these are valid
-    for i, bad in ((2, 0), (2, 9), (3, 0), (5, 2), (5, -1), (6, 7), (7, 0), (12, 0)):
+    for i, bad in ((2, 0), (2, 9), (3, 0), (5, 2), (5, -1), (6, 7), (7, 0), (12, 0), (13, -1), (13, 3)):
         wrong = list(args)
         wrong[i] = bad
         with pytest.raises(ValueError, match="rows must be 1..8"):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cpu_helpers import native_bf16_by_cpuinfo
+from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
 
 from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.serving import deploy_config, stage_settings
@@ -155,8 +155,8 @@ def test_prefill_is_no_further_from_fp32_than_the_bf16_talker(
     assert len(decoder) == 4 * layers  # qkv, o, gate_up, down of every layer
     assert all(cls is UnquantizedLinearMethod for n, cls in methods.items() if n not in decoder)
     assert prefill.served_status(model, mcfg.quant_config, torch.bfloat16) == (
-        f"fp32 from 16 rows ({4 * layers} decoder linears; 1-8 rows: C kernel (avx2) for 1-8 rows; "
-        "other rows in bfloat16)"
+        f"fp32 from 16 rows ({4 * layers} decoder linears; 1-8 rows: "
+        f"C kernel ({widest_simd_by_cpuinfo()}) for 1-8 rows; other rows in bfloat16)"
     )
     calls: list[int] = []
 
