@@ -198,14 +198,11 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
     _discarded_rows: dict[int, torch.Tensor] = {}  # batch row -> its generator's state before sampling
 
     def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
-        if self.execute_model_state is not None:
-            num_reqs = self.input_batch.num_reqs
+        self._discarded_rows = {}
+        if self.execute_model_state is not None:  # else this call samples nothing
             generators = self.input_batch.generators
-            self._discarded_rows = {
-                int(i): generators[int(i)].get_state()
-                for i in self.discard_request_mask.np[:num_reqs].nonzero()[0]
-                if int(i) in generators
-            }
+            rows = [int(i) for i in self.discard_request_mask.np[: self.input_batch.num_reqs].nonzero()[0]]
+            self._discarded_rows = {i: generators[i].get_state() for i in rows if i in generators}
         return super().sample_tokens(*args, **kwargs)
 
     def _bookkeeping_sync(self, *args: Any, **kwargs: Any) -> Any:
