@@ -36,6 +36,7 @@
 
 #define MAX_ROWS 8
 #define BLOCK_N 64 /* output channels per scheduling unit */
+#define GROUP 4    /* rows of x per call of a channel function: their floats stay in L1 */
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -148,8 +149,11 @@ DEFINE_KIND(avx512, bf16, AVX512_OPS)
 
 typedef void (*channel_fn)(const float *x, int rows, Py_ssize_t k, const void *w, float *acc);
 
-/* The widest instruction set this CPU runs: 0 none, 1 AVX2 with FMA, 2 AVX-512F as well. */
-static int best_isa(void) {
+/* The widest instruction set this CPU runs: 0 none, 1 AVX2 with FMA, 2 AVX-512F as well. Read
+ * once, at import (PyInit), not on every product. */
+static int cpu_isa = 0;
+
+static int detect_isa(void) {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
     return __builtin_cpu_supports("avx512f") ? 2 : 1;
@@ -165,17 +169,16 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                           &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads, &isa))
         return NULL;
     if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1 || ldw < k || threads < 1 || w_kind < 0 || w_kind > 1 ||
-        isa < 0 || isa > best_isa()) {
+        isa < 0 || isa > cpu_isa) {
         PyErr_Format(PyExc_ValueError,
                      "gemv: rows must be 1..%d, k and n positive, ldw >= k, threads >= 1, w_kind 0 (int8) "
                      "or 1 (bf16), isa 0..%d (this CPU's widest)",
-                     MAX_ROWS, best_isa());
+                     MAX_ROWS, cpu_isa);
         return NULL;
     }
     static const channel_fn CHANNELS[3][2] = {
         {scalar_i8, scalar_bf16}, {avx2_i8, avx2_bf16}, {avx512_i8, avx512_bf16}};
     const channel_fn channel = CHANNELS[isa][w_kind];
-    const int group = 4; /* rows of x per call of channel: their floats stay in L1 */
     const size_t wsize = w_kind == 0 ? 1 : 2;
     const char *w = (const char *)(uintptr_t)w_addr;
     float *xf = NULL;
@@ -196,8 +199,8 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         Py_ssize_t end = (b + 1) * BLOCK_N < n ? (b + 1) * BLOCK_N : n;
         /* Rows in groups, each over the whole block: a group's rows of x stay in L1, and the
          * block's weights, read from memory by the first group, come from cache for the next. */
-        for (int r = 0; r < rows; r += group) {
-            int g = rows - r < group ? rows - r : group;
+        for (int r = 0; r < rows; r += GROUP) {
+            int g = rows - r < GROUP ? rows - r : GROUP;
             const float *xr = x + (Py_ssize_t)r * k;
             for (Py_ssize_t j = b * BLOCK_N; j < end; j++) {
                 channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize, acc);
@@ -222,7 +225,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
 }
 
 static PyObject *simd(PyObject *self, PyObject *args) {
-    return Py_BuildValue("(is)", best_isa(), ISA_NAMES[best_isa()]);
+    return Py_BuildValue("(is)", cpu_isa, ISA_NAMES[cpu_isa]);
 }
 
 static PyMethodDef methods[] = {
@@ -233,4 +236,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_gemv", NULL, -1, methods};
 
-PyMODINIT_FUNC PyInit__cpu_gemv(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__cpu_gemv(void) {
+    cpu_isa = detect_isa();
+    return PyModule_Create(&module);
+}

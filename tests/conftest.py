@@ -27,7 +27,9 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "2")
 
 
-def _restore_environ(before: dict[str, str]) -> None:
+def _environ_kept() -> Iterator[None]:
+    before = dict(os.environ)
+    yield
     for name in set(os.environ) - set(before):
         del os.environ[name]
     for name, value in before.items():
@@ -41,16 +43,12 @@ def _restore_environ(before: dict[str, str]) -> None:
 # environment back as it found it.
 @pytest.fixture(scope="module", autouse=True)
 def _module_environ() -> Iterator[None]:
-    before = dict(os.environ)
-    yield
-    _restore_environ(before)
+    yield from _environ_kept()
 
 
 @pytest.fixture(autouse=True)
 def _test_environ() -> Iterator[None]:
-    before = dict(os.environ)
-    yield
-    _restore_environ(before)
+    yield from _environ_kept()
 
 
 @pytest.fixture(scope="session")
