@@ -153,15 +153,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--dims", choices=("tiny", "1.7b", "4b"), default="1.7b")
     b.add_argument("--contexts", default="1024,4096")
-    b.add_argument("--impls", default="eager", help="comma-separated: eager, aoti (compiles per row)")
-    b.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    b.add_argument(
+        "--programs",
+        default="eager:bf16,aoti:bf16,aoti:bf16:w4,pte:fp32,pte:fp32:8da4w",
+        help="comma-separated impl:dtype[:quant]; impl eager, aoti or pte (each compiled per row), "
+        "quant as spark export --quant",
+    )
     b.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
+    b.add_argument("--fidelity-positions", type=int, default=32, help="positions compared with fp32 eager")
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_lazy("bench.spark_step", "cli"))
 
     s = sub.add_parser("spark", help="Spark-X2.5 decode step: export a compiled program, generate on it")
     spark = s.add_subparsers(dest="what", required=True)
-    b = spark.add_parser("export", help="torch.export the one-token decode step, then AOTInductor (pt2)")
+    b = spark.add_parser(
+        "export", help="torch.export the one-token decode step, then AOTInductor (pt2) or ExecuTorch (pte)"
+    )
     b.add_argument("model", help="a checkpoint folder (config.json, model.safetensors)")
     b.add_argument(
         "--context",
@@ -176,14 +183,22 @@ def build_parser() -> argparse.ArgumentParser:
         default="pt2",
         help="pt2: AOTInductor package; pte: ExecuTorch/XNNPACK (the executorch extra)",
     )
-    b.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    b.add_argument("--quant", default="none", help="weight quantization (only none so far)")
+    b.add_argument("--dtype", default="fp32", help="fp32, bf16 (pt2 only) or fp16")
+    b.add_argument(
+        "--quant",
+        default="none",
+        help="weights: none; pt2: w8, w4 (weight-only); pte: 8da8w, 8da4w (int8 dynamic activations)",
+    )
     b.add_argument("--all-full", action="store_true", help="every layer full attention (for comparison)")
-    b.add_argument("--out", default=None, help="program file (default: MODEL/spark-step-c<C>-<dtype>.<fmt>)")
+    b.add_argument(
+        "--out", default=None, help="program file (default: MODEL/spark-step-c<C>-<dtype>[-<quant>].<fmt>)"
+    )
     b.set_defaults(run=_lazy("spark.program", "cli_export"))
     b = spark.add_parser("generate", help="greedy decoding on an exported program")
     b.add_argument("--program", required=True, help="a .pt2 / .pte written by spark export")
-    b.add_argument("--prompt-ids", default="0", help="comma-separated token ids")
+    prompt = b.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", default=None, help="text, tokenized with the checkpoint's tokenizer")
+    prompt.add_argument("--prompt-ids", default="0", help="comma-separated token ids")
     b.add_argument("--steps", type=int, default=16)
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_lazy("spark.program", "cli_generate"))

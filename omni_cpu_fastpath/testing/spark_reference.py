@@ -134,6 +134,19 @@ def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     return float("inf") if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
 
 
+def fidelity(ref: torch.Tensor, test: torch.Tensor) -> dict[str, float]:
+    """How far ``test`` logits [positions, vocab] are from ``ref``: top-1 agreement over the
+    positions, KL(ref || test) per position (mean and max, in nats), and the SNR in dB."""
+    ref_lp, test_lp = ref.double().log_softmax(-1), test.double().log_softmax(-1)
+    kl = (ref_lp.exp() * (ref_lp - test_lp)).sum(-1)
+    return {
+        "top1_agreement": (ref.argmax(-1) == test.argmax(-1)).double().mean().item(),
+        "kl_mean": kl.mean().item(),
+        "kl_max": kl.max().item(),
+        "snr_db": snr_db(ref, test),
+    }
+
+
 # ----------------------------------------------------------------------------------------------
 # mlx-lm
 # ----------------------------------------------------------------------------------------------
