@@ -50,7 +50,7 @@ _LLM_SCRIPT = textwrap.dedent(
     MAX_MODEL_LEN = 256
     dtype = "bfloat16" if "bf16" in mode else "float32"
     llm = LLM(model=model, dtype=dtype, enforce_eager=mode.startswith("eager"), max_model_len=MAX_MODEL_LEN,
-              max_num_seqs=4, seed=0)
+              max_num_seqs=4, seed=0, tensor_parallel_size=2 if "tp2" in mode else 1)
     sp = SamplingParams(temperature=0.0, max_tokens=int(sys.argv[5]), logprobs=int(sys.argv[6]),
                         prompt_logprobs=int(sys.argv[6]), ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[4])]
@@ -64,16 +64,19 @@ _LLM_SCRIPT = textwrap.dedent(
                                 for d in o.prompt_logprobs],
         })
     hf_config = type(llm.llm_engine.model_config.hf_config).__name__
-    # Rows of each layer's RoPE cos/sin cache (capped at max_model_len, not the config's 1M).
-    rope_rows = llm.apply_model(
-        lambda m: [layer.self_attn.rotary_emb.cos_sin_cache.shape[0] for layer in m.model.layers])
-    json.dump({"results": res, "hf_config": hf_config, "rope_rows": rope_rows}, open(out, "w"))
+    # Per worker: rows of each layer's RoPE cos/sin cache (capped at max_model_len, not the
+    # config's 1M) and its head-gate rows.
+    from omni_cpu_fastpath.testing.spark_reference import vllm_model_probe
+    probes = llm.apply_model(vllm_model_probe)  # one per worker (rank)
+    json.dump({"results": res, "hf_config": hf_config, "rope_rows": [p["rope_rows"] for p in probes],
+               "gate_rows": [p["gate_rows"] for p in probes]}, open(out, "w"))
     """
 )
 
 
 def run_llm(model_dir: Path, mode: str, tmp: Path, steps: int = STEPS, topk: int = TOPK) -> dict:
-    """``mode``: eager | compiled | eager-bf16 | compiled-bf16. Returns the script's JSON."""
+    """``mode``: eager | compiled | eager-bf16 | compiled-bf16 | eager-tp2 (two tensor-parallel
+    ranks). Returns the script's JSON."""
     out = tmp / f"llm-{mode}.json"
     env = {
         **os.environ,
@@ -82,6 +85,8 @@ def run_llm(model_dir: Path, mode: str, tmp: Path, steps: int = STEPS, topk: int
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "HF_HUB_OFFLINE": "1",
     }
+    if "tp2" in mode:  # one core per rank
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     cmd = [
         sys.executable,
         "-c",

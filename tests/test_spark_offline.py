@@ -5,7 +5,8 @@ generated and of the prompt positions) within 1e-4 of the reference's float64 lo
 Prompts are longer than the tiny window (8) and 32 steps more reach past 6 windows, so the
 sliding layers' window, the full layers' partial RoPE and the gate are all exercised.
 bf16 (eager; compiled too on a CPU with AMX, where vLLM's CPU linear dispatch takes the other
-layers) against the fp32 reference: a bound measured once and frozen here.
+layers) against the fp32 reference: a bound measured once and frozen here. Two tensor-parallel
+ranks (one core each) hold the head-gate rows of their own heads and decode as the reference.
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ def _max_logprob_diff(got: list[dict | None], want: list[torch.Tensor], steps: i
     return worst
 
 
-def _check_fp32(result: dict, expected: list[dict]) -> None:
+def _check_fp32(result: dict, expected: list[dict], ranks: int = 1) -> None:
     assert result["hf_config"] == "Spark2_5Config"
-    # One worker; every layer's cos/sin cache has max_model_len rows, not the config's 8192.
-    assert result["rope_rows"] == [[256] * 4]
+    # Every worker's every layer's cos/sin cache has max_model_len rows, not the config's 8192.
+    assert result["rope_rows"] == [[256] * 4] * ranks
     for got, want in zip(result["results"], expected, strict=True):
         assert got["tokens"] == want["tokens"]
         assert _max_logprob_diff(got["logprobs"], want["logprobs"], STEPS) <= LOGPROB_TOL
@@ -108,3 +109,19 @@ def test_llm_compiled_bf16_with_vllm_cpu_linear_dispatch_on_amx(
 ):
     # With AMX vLLM routes bf16 linears through sgl-kernel; the gate stays F.linear.
     _check_bf16(run_llm(spark_tiny_dir, "compiled-bf16", tmp_path), expected)
+
+
+@pytest.mark.slow  # two worker processes
+def test_llm_two_tensor_parallel_ranks_equal_reference(
+    spark_tiny_dir: Path,  # noqa: F811
+    tmp_path: Path,
+    ref: Reference,
+    expected: list[dict],
+):
+    """Each rank holds the gate rows of its own heads, and the two ranks decode as the reference
+    (with both ranks loading the first heads' rows, the greedy tokens differ)."""
+    result = run_llm(spark_tiny_dir, "eager-tp2", tmp_path)
+    heads = ref.cfg["num_attention_heads"]
+    gate = ref.w["model.layers.0.self_attn.g_proj.weight"][:, :4]
+    assert result["gate_rows"] == [gate[: heads // 2].tolist(), gate[heads // 2 :].tolist()]
+    _check_fp32(result, expected, ranks=2)

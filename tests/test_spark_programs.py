@@ -13,6 +13,7 @@ AOTInductor, and their weight quantizations.
 - Quantized exports against the fp32 reference at the same widths: greedy top-1 agreement and
   KL(fp32 || quantized), bounds measured on this model and frozen below; an fp32 program must
   beat them by far, and 4-bit weights must be further off than 8-bit (the bounds discriminate).
+- mlx-lm (an independent implementation) against the float64 reference at the same widths.
 - The ExecuTorch program's inputs and outputs, in order, have the shapes and dtypes of
   ``INPUT_NAMES`` / ``OUTPUT_NAMES``.
 - Options a runtime cannot run are refused by name.
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spark_helpers import spark_tiny_dir  # noqa: F401
+from spark_helpers import mlx_python_or_fail, spark_tiny_dir  # noqa: F401
 
 from omni_cpu_fastpath.spark import decode_step as ds
 from omni_cpu_fastpath.spark import program
@@ -44,6 +45,7 @@ SNR_F64_DB = {
     ("real", "exported"): 110.0,
     ("real", "aoti"): 110.0,
     ("real", "executorch"): 100.0,
+    ("real", "mlx-lm"): 100.0,
 }
 # Quantized exports against fp32, over the first FIDELITY_POSITIONS positions at the released
 # widths: (min greedy top-1 agreement, max mean KL in nats), measured and frozen with margin.
@@ -169,6 +171,17 @@ def test_every_fp32_program_matches_float64_at_released_widths_past_the_window(r
                 f.unlink()
     print(f"SNR vs float64 over {len(real['ids'])} positions:", {k: round(v, 1) for k, v in snrs.items()})
     assert failures == []
+
+
+@pytest.mark.slow  # mlx-lm in a subprocess over 520 positions at the released widths
+def test_mlx_lm_agrees_with_the_float64_reference_at_released_widths(real: dict):
+    """The independent implementation at the same widths and positions: the reference the
+    programs are held to is not a private reading of the model."""
+    mlx = reference.mlx_logits(real["dir"], real["ids"], python=mlx_python_or_fail())
+    snr = reference.snr_db(real["ref64"], mlx)
+    print(f"mlx-lm vs float64: {snr:.1f} dB")
+    assert snr >= SNR_F64_DB["real", "mlx-lm"]
+    assert _top_equal(real["ref64"], mlx)
 
 
 def _assert_executorch_io_follows_the_step_signature(path: Path, cfg: dict) -> None:

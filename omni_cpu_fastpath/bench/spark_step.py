@@ -16,10 +16,12 @@ of the hybrid layout.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -88,7 +90,7 @@ def parse_programs(spec: str) -> list[tuple[str, str, str]]:
             )
         impl, dtype, quant = parts[0], parts[1], parts[2] if len(parts) == 3 else "none"
         fmt = "pt2" if impl in ("eager", "aoti") else "pte"
-        spark_program._check_options(fmt, dtype, quant)
+        spark_program.check_options(fmt, dtype, quant)
         programs.append((impl, dtype, quant))
     return programs
 
@@ -165,7 +167,10 @@ def run(
     programs: str = DEFAULT_PROGRAMS,
     steps: int = 5,
     fidelity_positions: int = 32,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
+    """Time each program at each layout and context; ``on_row`` sees each row as it is measured
+    (a run at the released dimensions takes most of an hour)."""
     cfg = config_dict(dims)
     specs = parse_programs(programs)
     threads = os.cpu_count() or 1
@@ -210,6 +215,8 @@ def run(
                         )
                     row["attention_ms"] = attention[key]
                     rows.append(row)
+                    if on_row is not None:
+                        on_row(row)
                     if name == "hybrid" and context == contexts[0] and (dtype, quant) != ("fp32", "none"):
                         if reference is None:
                             reference = _logits(
@@ -220,6 +227,8 @@ def run(
                             {"program": row["program"], "positions": len(ids), **fidelity(reference, got)}
                         )
                     del fn
+                del step
+                gc.collect()  # a 1.7B program's weights before the next one is built
     return {
         "dims": dims,
         "cpu": cpu_name(),
@@ -291,6 +300,7 @@ def cli(args: argparse.Namespace) -> int:
         programs=args.programs,
         steps=args.steps,
         fidelity_positions=args.fidelity_positions,
+        on_row=lambda row: print(json.dumps(row), file=sys.stderr, flush=True),
     )
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0

@@ -5,7 +5,8 @@
 - ``tool_parser``: the ``spark25`` tool-call parser.
 - ``plugin``: the ``vllm.general_plugins`` entry point that registers all three.
 - ``decode_step``: one decode step with explicit per-layer-type K/V (``torch.export``-able) and its
-  host-side ``DecodeState``; ``program``: ``spark export`` / ``spark generate`` (AOTInductor).
+  host-side ``DecodeState``; ``program``: ``spark export`` / ``spark generate`` (AOTInductor or
+  ExecuTorch/XNNPACK, float or 8-/4-bit weights).
 
 Random checkpoints in the released layout (``testing/spark_checkpoint.py``) and the plain-PyTorch
 reference written from the released semantics, with mlx-lm beside it

@@ -52,7 +52,8 @@ class SparkExportError(ValueError):
     """An export the command cannot produce here (a missing extra, an unknown option)."""
 
 
-def _check_options(fmt: str, dtype: str, quant: str) -> None:
+def check_options(fmt: str, dtype: str, quant: str) -> None:
+    """Refuse, by name, a format, dtype or quantization this package cannot export."""
     _check_format(fmt)
     if dtype not in DTYPES:
         raise SparkExportError(f"spark export: unknown --dtype {dtype!r}; accepted: {list(DTYPES)}")
@@ -144,7 +145,7 @@ def export_program(
     all_full: bool = False,
 ) -> Path:
     """Export the decode step of a checkpoint folder at full-layer capacity ``context``."""
-    _check_options(fmt, dtype, quant)
+    check_options(fmt, dtype, quant)
     model_dir = Path(model_dir)
     cfg = json.loads((model_dir / "config.json").read_text())
     override = {"layer_types": ["full_attention"] * cfg["num_hidden_layers"]} if all_full else None

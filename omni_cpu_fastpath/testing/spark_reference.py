@@ -134,6 +134,16 @@ def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
     return float("inf") if noise == 0 else 10 * math.log10(ref.pow(2).sum().item() / noise)
 
 
+def vllm_model_probe(model: Any) -> dict[str, Any]:
+    """What a test reads off vLLM's Spark model inside a worker (``LLM.apply_model``; a module
+    function, so that tensor-parallel workers can unpickle it): the rows of each layer's RoPE
+    cos/sin cache, and the first columns of this rank's head-gate rows of layer 0."""
+    return {
+        "rope_rows": [layer.self_attn.rotary_emb.cos_sin_cache.shape[0] for layer in model.model.layers],
+        "gate_rows": model.model.layers[0].self_attn.g_proj.weight[:, :4].tolist(),
+    }
+
+
 def fidelity(ref: torch.Tensor, test: torch.Tensor) -> dict[str, float]:
     """How far ``test`` logits [positions, vocab] are from ``ref``: top-1 agreement over the
     positions, KL(ref || test) per position (mean and max, in nats), and the SNR in dB."""
