@@ -227,8 +227,15 @@ def test_bench_floor_counts_the_weights_a_step_reads(spark_tiny_dir: Path):  # n
     step = ds.SparkDecodeStep.from_checkpoint(spark_tiny_dir)
     assert weight_read_bytes(step) == 4 * params  # tied: the head reads the embedding, once
     sizes = {}
-    for quant in ("w8", "w4"):
+    for quant in ("w8", "w4", "8da8w", "8da4w"):
         q = program.quantize_step(ds.SparkDecodeStep.from_checkpoint(spark_tiny_dir), quant)
         sizes[quant] = weight_read_bytes(q)
-    # Untied and quantized: one embedding row, linears at 8 or 4 bits plus their scales.
-    assert sizes["w4"] < sizes["w8"] < 4 * params / 3
+    # Untied and quantized: one embedding row, the linears and the head at 8 or 4 bits plus their
+    # fp32 scales (and zero points); torchao holds 8da4w's int4 one per byte, the floor counts them
+    # packed, as XNNPACK stores them.
+    shapes = tensor_shapes(cfg)
+    floats = sum(torch.Size(s).numel() for n, s in shapes.items() if "norm" in n or "g_proj" in n)
+    quantized = params - floats  # the linears, and the head (the embedding matrix)
+    for w8, w4 in (("w8", "w4"), ("8da8w", "8da4w")):
+        assert quantized < sizes[w8] < 4 * params / 3
+        assert sizes[w4] < sizes[w8] - 0.2 * quantized  # a group-32 scale costs 1/8-1/4 byte

@@ -95,10 +95,20 @@ def parse_programs(spec: str) -> list[tuple[str, str, str]]:
     return programs
 
 
+_SUB_BYTE_BITS = {getattr(torch, f"int{b}"): b for b in range(1, 8)}
+
+
 def _tensor_bytes(t: torch.Tensor) -> int:
     if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()  # a quantized tensor: its data and scales
-        return sum(_tensor_bytes(getattr(t, n)) for n in names)
+        names, meta = t.__tensor_flatten__()  # a quantized tensor: its data and scales
+        bits = _SUB_BYTE_BITS.get(meta.get("target_dtype")) if isinstance(meta, dict) else None
+        total = 0
+        for n in names:
+            inner = getattr(t, n)
+            # torchao keeps sub-byte weights one per int8 until lowering; a runtime packs them.
+            packed = n == "qdata" and bits is not None and inner.dtype == torch.int8
+            total += inner.numel() * bits // 8 if packed else _tensor_bytes(inner)
+        return total
     return t.numel() * t.element_size()
 
 
