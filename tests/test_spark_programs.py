@@ -120,6 +120,16 @@ def test_options_a_runtime_cannot_run_are_refused_by_name(spark_tiny_dir: Path):
     for (fmt, dtype, quant), message in cases.items():
         with pytest.raises(program.SparkExportError, match=message):
             program.export_program(spark_tiny_dir, 1024, fmt, dtype, quant)
+    from omni_cpu_fastpath.bench.spark_step import parse_programs
+
+    assert parse_programs("eager:bf16, pte:fp16:8da4w") == [
+        ("eager", "bf16", "none"),
+        ("pte", "fp16", "8da4w"),
+    ]
+    with pytest.raises(ValueError, match=r"bad program 'gpu:bf16'; expected impl:dtype\[:quant\]"):
+        parse_programs("gpu:bf16")
+    with pytest.raises(program.SparkExportError, match="--format pte has no bf16"):
+        parse_programs("pte:bf16")
 
 
 # --------------------------------------------------------------------------------------------

@@ -304,6 +304,10 @@ def format_table(result: dict[str, Any]) -> str:
 
 
 def cli(args: argparse.Namespace) -> int:
+    try:
+        parse_programs(args.programs)  # before minutes of set-up
+    except ValueError as exc:
+        raise SystemExit(f"omni-cpu-fastpath: error: {exc}") from None
     result = run(
         args.dims,
         contexts=tuple(int(c) for c in args.contexts.split(",")),
