@@ -25,3 +25,6 @@ def test_spark_served_decode(benchmark, tmp_path) -> None:
     assert len(result["rows"]) == len(kwargs["contexts"]) * len(kwargs["layouts"])
     for row in result["rows"]:
         assert row["tokens"] == kwargs["decode"]
+        # Each decode timed by vLLM's /metrics, and the server said how its linears run.
+        assert len(row["decode_tok_s_runs"]) == result["repeats"] and row["decode_tok_s"] > 0
+        assert row["linears"] != "not logged"

@@ -15,6 +15,16 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _cmd_flags(args: argparse.Namespace) -> int:
     from . import envs
 
@@ -141,7 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--dims", choices=("tiny", "1.7b", "4b"), default="1.7b")
     b.add_argument("--contexts", default="1024,4096")
-    b.add_argument("--decode", type=int, default=32, help="tokens decoded per context")
+    b.add_argument("--decode", type=int, default=64, help="tokens decoded per context")
+    b.add_argument("--repeats", type=positive_int, default=2, help="decodes per context (median reported)")
+    b.add_argument("--layouts", default="hybrid,full", help="comma-separated: hybrid (as released), full")
     b.add_argument("--eager", action="store_true", help="serve with --enforce-eager (default: compiled)")
     b.add_argument("--model", default=None, help="an existing checkpoint folder (default: a random one)")
     b.add_argument("--workdir", default=None)

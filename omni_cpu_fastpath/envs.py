@@ -223,6 +223,15 @@ FLAGS: dict[str, Flag] = {
             "Register Spark-X2.5 with vLLM: config, model and spark25 tool parser (0: leave vLLM as it is).",
         ),
         Flag(
+            "VLLM_OMNI_SPARK_FP32_PREFILL",
+            "choice",
+            "auto",
+            "Spark-X2.5 served eager in bf16 on CPU: its decoder linears run calls of 16 rows or more (a "
+            "prompt's prefill) in fp32 and calls of 1-8 rows (decode) through VLLM_OMNI_CPU_GEMV's kernel "
+            "(auto: on CPUs without AVX512-BF16 or AMX, where torch emulates bf16 products).",
+            choices=("auto", "on", "off"),
+        ),
+        Flag(
             "VLLM_OMNI_STEP_STATS_DIR",
             "path",
             "",

@@ -69,17 +69,27 @@ _LLM_SCRIPT = textwrap.dedent(
     from omni_cpu_fastpath.testing.spark_reference import vllm_model_probe
     probes = llm.apply_model(vllm_model_probe)  # one per worker (rank)
     json.dump({"results": res, "hf_config": hf_config, "rope_rows": [p["rope_rows"] for p in probes],
-               "gate_rows": [p["gate_rows"] for p in probes]}, open(out, "w"))
+               "gate_rows": [p["gate_rows"] for p in probes],
+               "linear_methods": [p["linear_methods"] for p in probes]}, open(out, "w"))
     """
 )
 
 
-def run_llm(model_dir: Path, mode: str, tmp: Path, steps: int = STEPS, topk: int = TOPK) -> dict:
+def run_llm(
+    model_dir: Path,
+    mode: str,
+    tmp: Path,
+    steps: int = STEPS,
+    topk: int = TOPK,
+    env: dict[str, str] | None = None,
+) -> dict:
     """``mode``: eager | compiled | eager-bf16 | compiled-bf16 | eager-tp2 (two tensor-parallel
-    ranks). Returns the script's JSON."""
+    ranks); ``env``: variables set for that run. Returns the script's JSON."""
+    tmp.mkdir(parents=True, exist_ok=True)
     out = tmp / f"llm-{mode}.json"
     env = {
         **os.environ,
+        **(env or {}),
         "VLLM_CACHE_ROOT": str(tmp / f"vllm-cache-{mode}"),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

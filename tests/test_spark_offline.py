@@ -5,7 +5,8 @@ generated and of the prompt positions) within 1e-4 of the reference's float64 lo
 Prompts are longer than the tiny window (8) and 32 steps more reach past 6 windows, so the
 sliding layers' window, the full layers' partial RoPE and the gate are all exercised.
 bf16 (eager; compiled too on a CPU with AMX, where vLLM's CPU linear dispatch takes the other
-layers) against the fp32 reference: a bound measured once and frozen here. Two tensor-parallel
+layers) against the fp32 reference: a bound measured once and frozen here, held by vLLM's bf16
+linears and by the package's fp32-prefill ones (``VLLM_OMNI_SPARK_FP32_PREFILL``). Two tensor-parallel
 ranks (one core each) hold the head-gate rows of their own heads and decode as the reference.
 """
 
@@ -93,12 +94,65 @@ def _check_bf16(result: dict, expected: list[dict]) -> None:
             assert abs(value - lp[int(tok)].item()) <= BF16_TOP1_TOL
 
 
+def _linear_methods(result: dict) -> set[tuple[str, bool]]:
+    return {tuple(v) for rank in result["linear_methods"] for v in rank.values()}
+
+
 def test_llm_bf16_within_the_frozen_bound_of_fp32_reference(
     spark_tiny_dir: Path,  # noqa: F811
     tmp_path: Path,
     expected: list[dict],
 ):
-    _check_bf16(run_llm(spark_tiny_dir, "eager-bf16", tmp_path), expected)
+    # vLLM's bf16 linears, then the package's fp32-prefill ones on every decoder linear: the
+    # prompts' prefill (15 and 20 rows) in fp32, the decode steps (2 rows) through the few-row
+    # kernel. Both hold the same bound; they differ in rounding, so the second path really ran.
+    from omni_cpu_fastpath import cpu_gemv
+
+    off, on = ({"VLLM_OMNI_SPARK_FP32_PREFILL": v} for v in ("off", "on"))
+    stock = run_llm(spark_tiny_dir, "eager-bf16", tmp_path / "off", env=off)
+    assert _linear_methods(stock) == {("UnquantizedLinearMethod", False)}
+    _check_bf16(stock, expected)
+    ours = run_llm(spark_tiny_dir, "eager-bf16", tmp_path / "on", env=on)
+    assert _linear_methods(ours) == {("Fp32PrefillLinearMethod", cpu_gemv.wanted())}
+    assert len(ours["linear_methods"][0]) == 4  # q_k_v_proj, out_proj, gate_up_proj, down_proj
+    _check_bf16(ours, expected)
+    assert ours["results"] != stock["results"]
+
+
+def test_fp32_prefill_linears_only_where_they_apply(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from cpu_helpers import native_bf16_by_cpuinfo
+    from vllm.config import CompilationMode
+
+    from omni_cpu_fastpath.fp32_prefill import Fp32PrefillConfig
+    from omni_cpu_fastpath.spark.model import decoder_linears_config
+
+    def config(dtype=torch.bfloat16, mode=CompilationMode.NONE, quant=None) -> SimpleNamespace:
+        return SimpleNamespace(
+            quant_config=quant,
+            model_config=SimpleNamespace(dtype=dtype),
+            compilation_config=SimpleNamespace(mode=mode),
+        )
+
+    monkeypatch.setenv("VLLM_OMNI_SPARK_FP32_PREFILL", "on")
+    assert isinstance(decoder_linears_config(config())[0], Fp32PrefillConfig)
+    assert decoder_linears_config(config(dtype=torch.float32)) == (
+        None,
+        "vLLM's unquantized linears (torch.float32: nothing to widen)",
+    )
+    quant, why = decoder_linears_config(config(mode=CompilationMode.VLLM_COMPILE))
+    assert quant is None and "--enforce-eager" in why
+    checkpoint = Fp32PrefillConfig()  # stands for a quantized checkpoint's own config
+    assert decoder_linears_config(config(quant=checkpoint))[0] is checkpoint
+    monkeypatch.setenv("VLLM_OMNI_SPARK_FP32_PREFILL", "off")
+    assert decoder_linears_config(config())[0] is None
+    monkeypatch.setenv("VLLM_OMNI_SPARK_FP32_PREFILL", "auto")
+    got = decoder_linears_config(config())[0]
+    assert isinstance(got, Fp32PrefillConfig) == (not native_bf16_by_cpuinfo())
+    monkeypatch.setenv("VLLM_OMNI_SPARK_FP32_PREFILL", "fast")
+    with pytest.raises(ValueError, match="VLLM_OMNI_SPARK_FP32_PREFILL.*auto"):
+        decoder_linears_config(config())
 
 
 @pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="needs a CPU with AMX (sgl-kernel)")

@@ -164,8 +164,10 @@ def test_prefill_is_no_further_from_fp32_than_the_bf16_talker(
         calls.append(x.numel() // x.shape[-1])
         return fp32_linear(x, weight, bias)
 
-    fp32_linear = prefill.fp32_linear
-    monkeypatch.setattr(prefill, "fp32_linear", counted)
+    from omni_cpu_fastpath import fp32_prefill  # the method's module, where apply looks it up
+
+    fp32_linear = fp32_prefill.fp32_linear
+    monkeypatch.setattr(fp32_prefill, "fp32_linear", counted)
     got = talker_parity.teacher_forced_logits(model, mcfg, embeds)
     assert calls == [2 * 64] * (4 * layers)  # every decoder linear of the prefill took the fp32 road
     # (At the tiny width of 64 its outputs rarely differ from the bf16 product's in any bit.)

@@ -3,7 +3,11 @@
 For each layout (``hybrid``: the released sliding/full layers; ``full``: the same weights with
 every layer full attention, through ``--hf-overrides``) one ``vllm serve`` in bf16 is started;
 for each context (1k, 4k tokens) one streamed completion decodes ``decode`` tokens greedily and
-the decode rate is ``(tokens - 1) / (last token time - first token time)``. Beside each figure:
+the decode rate is ``(tokens - 1) / (last token time - first token time)``, taken from vLLM's own
+``/metrics`` (``vllm:request_decode_time_seconds``, stamped in the engine process as each token
+leaves the model): a client on the same two cores reads its stream late and in bursts, which both
+slows and inflates its own figure (kept as ``client_decode_tok_s``). Each context is decoded
+``repeats`` times and the median is reported. Beside each figure:
 the KV-cache bytes the request holds (from the layer types, window and vLLM's block size), and
 the floor measured in the same run: ``bytes read per decode step / read bandwidth``, for the
 weights alone and for the weights plus the KV cache a step reads.
@@ -15,8 +19,10 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,6 +36,14 @@ from omni_cpu_fastpath.serving.runtime_libs import preload_env
 CONTEXTS = (1024, 4096)
 LAYOUTS = ("hybrid", "full")
 BLOCK = 128  # vLLM's CPU KV-cache block size (tokens)
+ENV_RECORDED = (
+    "VLLM_OMNI_SPARK_FP32_PREFILL",
+    "VLLM_OMNI_CPU_GEMV",
+    "VLLM_OMNI_CPU_GEMV_ISA",
+    "VLLM_CPU_OMP_THREADS_BIND",
+    "ONEDNN_MAX_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+)
 
 
 def _free_port() -> int:
@@ -109,8 +123,23 @@ class _Server:
         except OSError:
             return False
 
+    def _decode_metrics(self) -> tuple[float, float]:
+        """vLLM's running totals: requests finished, and their decode seconds (engine timestamps)."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        totals = {}
+        for name in ("count", "sum"):
+            pattern = rf"^vllm:request_decode_time_seconds_{name}(?:{{[^}}]*}})? (\S+)$"
+            values = re.findall(pattern, text, flags=re.M)
+            if not values:
+                raise RuntimeError(f"vllm:request_decode_time_seconds_{name} is missing from /metrics")
+            totals[name] = sum(float(v) for v in values)
+        return totals["count"], totals["sum"]
+
     def decode_rate(self, context: int, decode: int, vocab: int) -> dict[str, float]:
         from openai import OpenAI
+
+        done, seconds = self._decode_metrics()
 
         client = OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="none", timeout=3600)
         prompt = [16 + (i * 7919) % (vocab - 16) for i in range(context)]
@@ -125,11 +154,24 @@ class _Server:
             stamps += [time.perf_counter()] * n
         if len(stamps) < 2:
             raise RuntimeError(f"decode returned {len(stamps)} tokens")
+        # The request's metrics are recorded after its last chunk is sent.
+        deadline = time.monotonic() + 30
+        while (now := self._decode_metrics())[0] < done + 1:
+            if time.monotonic() > deadline:
+                raise RuntimeError("vLLM did not record the request's decode time in /metrics")
+            time.sleep(0.2)
         return {
             "prefill_s": stamps[0] - t0,
-            "decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
+            "decode_tok_s": (len(stamps) - 1) / (now[1] - seconds),
+            "client_decode_tok_s": (len(stamps) - 1) / (stamps[-1] - stamps[0]),
             "tokens": len(stamps),
         }
+
+    def linears(self) -> str:
+        """How the model's decoder linears run, as the worker logged it at load."""
+        log = self.log.read_text(errors="replace")
+        found = re.findall(r"spark2_5: decoder linears: (.*)$", log, flags=re.M)
+        return found[-1].strip() if found else "not logged"
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -149,6 +191,7 @@ def run(
     model_dir: str | Path | None = None,
     workdir: str | Path | None = None,
     eager: bool = False,
+    repeats: int = 2,
 ) -> dict[str, Any]:
     import torch
 
@@ -172,13 +215,21 @@ def run(
         overrides = None if layout == "hybrid" else {"layer_types": types}
         server = _Server(model, max(contexts) + decode + 16, overrides, work, threads, eager)
         try:
+            linears = server.linears()
             for context in contexts:
                 kv = kv_bytes(cfg, types, context)
-                rate = server.decode_rate(context, decode, cfg["vocab_size"])
+                runs = [server.decode_rate(context, decode, cfg["vocab_size"]) for _ in range(repeats)]
+                rate = {
+                    "prefill_s": runs[0]["prefill_s"],
+                    "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+                    "decode_tok_s_runs": [r["decode_tok_s"] for r in runs],
+                    "client_decode_tok_s_runs": [r["client_decode_tok_s"] for r in runs],
+                    "tokens": runs[0]["tokens"],
+                }
                 floor_w = bw.best_gbs * 1e9 / weights
                 floor_wkv = bw.best_gbs * 1e9 / (weights + kv["read_per_step"])
                 rows.append({
-                    "layout": layout, "context": context, **rate,
+                    "layout": layout, "context": context, "linears": linears, **rate,
                     "kv_bytes_per_request": kv["held"], "kv_bytes_read_per_step": kv["read_per_step"],
                     "floor_tok_s_weights": floor_w, "floor_tok_s_weights_kv": floor_wkv,
                     "ratio_to_floor": floor_wkv / rate["decode_tok_s"],
@@ -195,7 +246,10 @@ def run(
         "bandwidth_kernel": bw.kernel,
         "weight_bytes_bf16": weights,
         "decode_tokens": decode,
+        "repeats": repeats,
         "load_1min_at_end": os.getloadavg()[0],
+        # What else decides the kernels the server ran.
+        "env": {name: os.environ[name] for name in ENV_RECORDED if name in os.environ},
         "rows": rows,
     }
 
@@ -215,14 +269,22 @@ def format_table(result: dict[str, Any]) -> str:
                 r["ratio_to_floor"], r["kv_bytes_per_request"] / 2**20, r["prefill_s"],
             )
         )  # fmt: skip
+    for layout in dict.fromkeys(r["layout"] for r in result["rows"]):
+        linears = next(r["linears"] for r in result["rows"] if r["layout"] == layout)
+        lines.append(f"{layout} decoder linears: {linears}")
     return "\n".join(lines)
 
 
 def cli(args: argparse.Namespace) -> int:
     contexts = tuple(int(c) for c in args.contexts.split(","))
+    layouts = tuple(args.layouts.split(","))
+    if not layouts or any(layout not in LAYOUTS for layout in layouts):
+        raise SystemExit(
+            f"bench spark: --layouts {args.layouts!r}: expected a comma-separated subset of {LAYOUTS}"
+        )
     result = run(
-        args.dims, contexts=contexts, decode=args.decode, model_dir=args.model, workdir=args.workdir,
-        eager=args.eager,
+        args.dims, contexts=contexts, layouts=layouts, decode=args.decode, model_dir=args.model,
+        workdir=args.workdir, eager=args.eager, repeats=args.repeats,
     )  # fmt: skip
     print(json.dumps(result, indent=1) if args.json else format_table(result))
     return 0

@@ -151,9 +151,14 @@ def fp32_prefill(environ: Mapping[str, str] | None = None) -> bool:
     setting = envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ)
     if setting != "auto":
         return setting == "on"
+    return not cpu_has_native_bf16()
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere torch emulates it."""
     import torch
 
-    return not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
 
 
 def kv_space_from_env(environ: Mapping[str, str] | None = None) -> bool:

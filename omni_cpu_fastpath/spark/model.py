@@ -4,6 +4,10 @@ Per layer: RMSNorm -> fused QKV (``q_k_v_proj``) -> per-layer-type RoPE -> vLLM 
 512-position window on sliding layers) -> each head scaled by sigmoid(g_proj(x_norm)) -> out_proj;
 then RMSNorm -> down(gelu(gate(x)) * up(x)) with exact-erf GELU. The head is the tied
 ``model.embedding.weight``.
+
+Served eager in bf16 on a CPU without native bf16, the decoder linears take the package's
+:class:`~omni_cpu_fastpath.fp32_prefill.Fp32PrefillLinearMethod` (``VLLM_OMNI_SPARK_FP32_PREFILL``):
+torch emulates bf16 products there, slowly for a prompt's many rows.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import CacheConfig, VllmConfig
+from vllm.config import CacheConfig, CompilationMode, VllmConfig
 from vllm.distributed import (
     get_pp_group,
     get_tensor_model_parallel_rank,
@@ -46,7 +50,10 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
+
+from omni_cpu_fastpath import envs
 
 from .config import Spark2_5Config
 
@@ -210,6 +217,33 @@ class Spark2_5DecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
+def decoder_linears_config(vllm_config: VllmConfig) -> tuple[QuantizationConfig | None, str]:
+    """The decoder linears' quantization config, and how they run (for the log)."""
+    from omni_cpu_fastpath.serving.stage_settings import cpu_has_native_bf16
+
+    quant_config = vllm_config.quant_config
+    if quant_config is not None:
+        return quant_config, f"the checkpoint's {quant_config.get_name()}"
+    setting = envs.get("VLLM_OMNI_SPARK_FP32_PREFILL")
+    dtype = vllm_config.model_config.dtype
+    if setting == "off" or not current_platform.is_cpu():
+        return None, "vLLM's unquantized linears"
+    if setting == "auto" and cpu_has_native_bf16():
+        return None, "vLLM's unquantized linears (this CPU has native bf16)"
+    if dtype is not torch.bfloat16:
+        return None, f"vLLM's unquantized linears ({dtype}: nothing to widen)"
+    if vllm_config.compilation_config.mode != CompilationMode.NONE:
+        # Its apply branches on the row count, which one graph traced for every size cannot keep.
+        why = "VLLM_OMNI_SPARK_FP32_PREFILL needs an eager model (--enforce-eager)"
+        if setting == "on":
+            logger.warning("spark2_5: decoder linears stay vLLM's: %s", why)
+        return None, f"vLLM's unquantized linears ({why})"
+    from omni_cpu_fastpath.fp32_prefill import Fp32PrefillConfig
+
+    # Every linear the decoder layers build (the config reaches nothing else).
+    return Fp32PrefillConfig(), "bf16, calls of 16+ rows in fp32, 1-8 rows through the few-row kernel"
+
+
 def rope_max_position(config: Spark2_5Config, max_model_len: int | None) -> int:
     """Rows of the cos/sin cache: the served length, not the config's 1M positions."""
     if max_model_len is None:
@@ -233,6 +267,8 @@ class Spark2_5Model(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         max_position = rope_max_position(config, vllm_config.model_config.max_model_len)
+        layers_config, self.linears = decoder_linears_config(vllm_config)
+        logger.info("spark2_5: decoder linears: %s", self.linears)
 
         if get_pp_group().is_first_rank or get_pp_group().is_last_rank:
             # The last rank needs it too: the head is tied to it.
@@ -244,7 +280,7 @@ class Spark2_5Model(nn.Module):
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: Spark2_5DecoderLayer(
-                config, max_position, cache_config, quant_config, prefix=prefix
+                config, max_position, cache_config, layers_config, prefix=prefix
             ),
             prefix=f"{prefix}.layers",
         )

@@ -137,10 +137,19 @@ def snr_db(ref: torch.Tensor, test: torch.Tensor) -> float:
 def vllm_model_probe(model: Any) -> dict[str, Any]:
     """What a test reads off vLLM's Spark model inside a worker (``LLM.apply_model``; a module
     function, so that tensor-parallel workers can unpickle it): the rows of each layer's RoPE
-    cos/sin cache, and the first columns of this rank's head-gate rows of layer 0."""
+    cos/sin cache, the first columns of this rank's head-gate rows of layer 0, and the linear
+    method of each of layer 0's linears (with whether it took the few-row kernel)."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    layer0 = model.model.layers[0]
     return {
         "rope_rows": [layer.self_attn.rotary_emb.cos_sin_cache.shape[0] for layer in model.model.layers],
-        "gate_rows": model.model.layers[0].self_attn.g_proj.weight[:, :4].tolist(),
+        "gate_rows": layer0.self_attn.g_proj.weight[:, :4].tolist(),
+        "linear_methods": {
+            name: [type(m.quant_method).__name__, bool(getattr(m, "cpu_gemv", False))]
+            for name, m in layer0.named_modules()
+            if isinstance(m, LinearBase)
+        },
     }
 
 
