@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def positive_int(text: str) -> int:
+def _positive_int(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
@@ -152,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--dims", choices=("tiny", "1.7b", "4b"), default="1.7b")
     b.add_argument("--contexts", default="1024,4096")
     b.add_argument("--decode", type=int, default=64, help="tokens decoded per context")
-    b.add_argument("--repeats", type=positive_int, default=2, help="decodes per context (median reported)")
+    b.add_argument("--repeats", type=_positive_int, default=2, help="decodes per context (median reported)")
     b.add_argument("--layouts", default="hybrid,full", help="comma-separated: hybrid (as released), full")
     b.add_argument("--eager", action="store_true", help="serve with --enforce-eager (default: compiled)")
     b.add_argument("--model", default=None, help="an existing checkpoint folder (default: a random one)")

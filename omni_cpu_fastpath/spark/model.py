@@ -54,6 +54,8 @@ from vllm.platforms import current_platform
 from vllm.sequence import IntermediateTensors
 
 from omni_cpu_fastpath import envs
+from omni_cpu_fastpath.fp32_prefill import Fp32PrefillConfig
+from omni_cpu_fastpath.serving.stage_settings import cpu_has_native_bf16
 
 from .config import Spark2_5Config
 
@@ -219,8 +221,6 @@ class Spark2_5DecoderLayer(nn.Module):
 
 def decoder_linears_config(vllm_config: VllmConfig) -> tuple[QuantizationConfig | None, str]:
     """The decoder linears' quantization config, and how they run (for the log)."""
-    from omni_cpu_fastpath.serving.stage_settings import cpu_has_native_bf16
-
     quant_config = vllm_config.quant_config
     if quant_config is not None:
         return quant_config, f"the checkpoint's {quant_config.get_name()}"
@@ -238,8 +238,6 @@ def decoder_linears_config(vllm_config: VllmConfig) -> tuple[QuantizationConfig 
         if setting == "on":
             logger.warning("spark2_5: decoder linears stay vLLM's: %s", why)
         return None, f"vLLM's unquantized linears ({why})"
-    from omni_cpu_fastpath.fp32_prefill import Fp32PrefillConfig
-
     # Every linear the decoder layers build (the config reaches nothing else).
     return Fp32PrefillConfig(), "bf16, calls of 16+ rows in fp32, 1-8 rows through the few-row kernel"
 
@@ -267,8 +265,8 @@ class Spark2_5Model(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         max_position = rope_max_position(config, vllm_config.model_config.max_model_len)
-        layers_config, self.linears = decoder_linears_config(vllm_config)
-        logger.info("spark2_5: decoder linears: %s", self.linears)
+        layers_config, linears = decoder_linears_config(vllm_config)
+        logger.info("spark2_5: decoder linears: %s", linears)
 
         if get_pp_group().is_first_rank or get_pp_group().is_last_rank:
             # The last rank needs it too: the head is tied to it.
