@@ -9,7 +9,8 @@ vectorizes only with AVX-512; bf16 products are emulated without AVX512-BF16). P
 in float32; only the summation order differs from torch's, and a row's result does not depend on
 its batch neighbours or the thread count.
 
-Eager calls only: compiled graphs keep torch's ops, which Inductor's GEMM templates replace. A
+Eager calls take :func:`gemv`; a compiled graph calls :func:`gemv_op`, the same kernel as an
+opaque op (any row count, in blocks of :data:`MAX_ROWS`), so its weights stay graph inputs. A
 layer decides when it is built (:func:`wanted`): not where the extension was not built or
 ``VLLM_OMNI_CPU_GEMV=0``; :func:`status` says which. Once per process the kernel is checked
 against a float64 product, and a kernel that disagrees is not used (the status says so).
@@ -75,12 +76,15 @@ def status() -> str:
     return _extension()[1]
 
 
-def accepts(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> bool:
-    """Whether :func:`gemv` takes these operands (else the caller takes torch's op)."""
+def accepts(
+    x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None, traced: bool = False
+) -> bool:
+    """Whether :func:`gemv` takes these operands (else the caller takes torch's op); ``traced``:
+    whether :func:`gemv_op` does, inside a graph being compiled."""
     return (
-        not torch.compiler.is_compiling()
+        (traced or not torch.compiler.is_compiling())
         and x2.dim() == 2
-        and 1 <= x2.shape[0] <= MAX_ROWS
+        and (traced or 1 <= x2.shape[0] <= MAX_ROWS)
         and x2.dtype in _ACTIVATIONS
         and x2.device.type == "cpu"
         and weight.dtype in _WEIGHT_KINDS
@@ -127,6 +131,22 @@ def gemv(
         _isa(),
     )
     return y
+
+
+@torch.library.custom_op("omni_cpu_fastpath::gemv", mutates_args=())
+def gemv_op(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gemv` as an op a compiled graph calls opaquely (its weights stay graph inputs).
+
+    Rows beyond :data:`MAX_ROWS` (a batch's 2-token prefill) go in blocks: one graph then serves
+    every batch size without branching on it."""
+    if x2.shape[0] <= MAX_ROWS:
+        return gemv(x2, weight, scales)
+    return torch.cat([gemv(part, weight, scales) for part in x2.split(MAX_ROWS)])
+
+
+@gemv_op.register_fake
+def _(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    return x2.new_empty((x2.shape[0], weight.shape[0]))
 
 
 def _self_check(ext: Any) -> str | None:

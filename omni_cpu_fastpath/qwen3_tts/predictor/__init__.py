@@ -5,6 +5,7 @@ calls vllm-omni's talker makes on a predictor)."""
 from .compiler import (
     DEFAULT_BUCKETS,
     INDUCTOR_OPTIONS,
+    KERNEL_GRAPH_OPTIONS,
     StepCompiler,
     bucket_compile_options,
     buckets_for,
@@ -20,6 +21,7 @@ __all__ = [
     "DEFAULT_BUCKETS",
     "buckets_for",
     "INDUCTOR_OPTIONS",
+    "KERNEL_GRAPH_OPTIONS",
     "bucket_compile_options",
     "stacked_linear",
     "rms_norm",

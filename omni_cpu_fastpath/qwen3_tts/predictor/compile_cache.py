@@ -112,12 +112,15 @@ class WeightsKey(CustomGraphPass):
         return f"omni-cpu-fastpath-weights-{self.digest}"
 
 
-def cache_options(module: nn.Module) -> dict[str, Any]:
-    """Inductor options that key the step's cache entries on ``module``'s weights.
+def cache_options(module: nn.Module, frozen: bool = True) -> dict[str, Any]:
+    """Inductor options that key the step's cache entries on ``module``'s weights when the compile
+    freezes them (``frozen``); unfrozen weights are graph inputs, so entries serve any checkpoint.
 
     When the digest cannot be taken the FX graph cache is off for this compile: a hit could
     serve another checkpoint's constants.
     """
+    if not frozen:
+        return {"fx_graph_cache": True}
     try:
         digest = weights_digest(module)
     except Exception:  # noqa: BLE001 - any tensor we cannot read: compile without the cache

@@ -1,7 +1,11 @@
 """Compile policy of the predictor's static sub-step, kept apart from the model.
 
 One compiled step per batch bucket, each built and warmed once at load; a batch is padded up to
-the next bucket and one above the largest runs eager. Here: which buckets a runner can reach, the
+the next bucket and one above the largest runs eager. Where every linear of the layers multiplies
+through the package's few-row kernel (int8 layers), the graph calls it as an op on unfrozen
+weights, and the buckets above 1 share one graph with a dynamic batch dimension: a warm start then
+loads both graphs from AOTAutograd's and Inductor's caches and only traces. Otherwise Inductor's
+GEMM templates run on frozen weights, per bucket. Here: which buckets a runner can reach, the
 Inductor options each bucket tries in order, the global state every compiled call runs under, a
 fresh code object per compile (so one predictor's frozen weights never serve another), the
 thread cap, and what happens when a bucket fails (at load: next options, then eager; at a
@@ -71,6 +75,10 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
     "epilogue_fusion": False,  # as the stock predictor: keeps RMSNorm/RoPE fp32 math unfused
 }
 
+# Inductor settings where the linears call the few-row kernel: nothing for freezing to pre-pack, and
+# unfrozen weights are graph inputs, which keeps AOTAutograd's cache (bypassed under freezing).
+KERNEL_GRAPH_OPTIONS: dict[str, Any] = {"freezing": False, "epilogue_fusion": False}
+
 
 def bucket_compile_options(options: dict[str, Any], bucket: int) -> list[dict[str, Any]]:
     """The Inductor options to try, in order, for one batch bucket.
@@ -90,7 +98,8 @@ class StepCompiler:
     """The compiled sub-steps of one :class:`CachedCodePredictor`, per batch bucket.
 
     ``steps`` maps a bucket to its compiled step (None: nothing compiled); ``status`` says what
-    runs the step and why, and is what the talker reports as served.
+    runs the step and why, and is what the talker reports as served. ``options`` None: the
+    kernel graph where the predictor's linears run the few-row kernel, else ``INDUCTOR_OPTIONS``.
     """
 
     def __init__(
@@ -100,7 +109,7 @@ class StepCompiler:
         mode: str,
         threads: int,
         buckets: Sequence[int],
-        options: dict[str, Any],
+        options: dict[str, Any] | None = None,
     ) -> None:
         if mode not in ("off", "step"):
             raise ValueError(f"compile must be 'off' or 'step', got {mode!r}")
@@ -112,9 +121,11 @@ class StepCompiler:
         self.mode = mode
         self.threads = int(threads)
         self.buckets = tuple(sorted({int(b) for b in buckets}))
-        self.options = dict(options)
+        self.options = None if options is None else dict(options)
+        self.kernel_graph = False  # the last warmup() compiled around the few-row kernel
         self.steps: dict[int, Any] | None = None
-        self.warming = False  # inside warmup(): failures propagate, compiling is allowed
+        self.warming = False  # inside warmup(): failures propagate
+        self.may_compile = False  # inside warmup(), where a call may compile
         self.seconds: float | None = None
         self.counts: dict[int, int] = {}  # how many times each bucket was compiled
         self.failed: dict[int, str] = {}  # bucket -> why its compiled step was dropped
@@ -134,7 +145,7 @@ class StepCompiler:
     @contextlib.contextmanager
     def calling(self) -> Iterator[None]:
         """The state a compiled call runs under; past warm-up, a call that would compile fails."""
-        stance = "default" if self.warming else "fail_on_recompile"
+        stance = "default" if self.may_compile else "fail_on_recompile"
         with compiled_call_state(), torch.compiler.set_stance(stance):
             yield
 
@@ -158,21 +169,27 @@ class StepCompiler:
 
         t0 = time.perf_counter()
         compiled: dict[int, Any] = {}
-        # Keyed on the weights, computed once for every bucket.
-        cache = compile_cache.cache_options(self.predictor)
+        self.kernel_graph = self.options is None and self.predictor.linears_run_kernel()
+        options = KERNEL_GRAPH_OPTIONS if self.kernel_graph else self.options or INDUCTOR_OPTIONS
+        # Keyed on the weights where they are frozen, computed once for every bucket.
+        cache = compile_cache.cache_options(self.predictor, frozen=bool(options.get("freezing")))
         path = compile_cache.cache_dir()
         self.cache_dir = str(path) if cache.get("fx_graph_cache") else None
         hits, misses = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
         with compile_cache.using_cache_dir(path):
-            ok = self._compile_buckets(compiled, cache)
+            if self.kernel_graph:
+                ok = self._compile_kernel_graph(compiled, {**options, **cache})
+            else:
+                ok = self._compile_buckets(compiled, options, cache)
         self.cache_hits = counters["inductor"]["fxgraph_cache_hit"] - hits
         self.cache_misses = counters["inductor"]["fxgraph_cache_miss"] - misses
         if not ok:
             return False
         self.steps = compiled
         self.seconds = time.perf_counter() - t0
+        how = "few-row kernel in the graph" if self.kernel_graph else "GEMM templates on frozen weights"
         self._set_status(
-            f"step (buckets {_csv_ints(self.buckets)}, compiled at load in {self.seconds:.1f} s)"
+            f"step (buckets {_csv_ints(self.buckets)}, compiled at load in {self.seconds:.1f} s; {how})"
         )
         logger.info(
             "code predictor: compiled the static step for batch buckets %s in %.1f s "
@@ -185,9 +202,30 @@ class StepCompiler:
         )
         return True
 
-    def _compile_buckets(self, compiled: dict[int, Any], cache: dict[str, Any]) -> bool:
+    def _compile_kernel_graph(self, compiled: dict[int, Any], options: dict[str, Any]) -> bool:
+        """Bucket 1 in a graph of its own; the buckets above it in one graph whose batch dimension
+        is dynamic between the smallest and the largest of them."""
+        batched = [b for b in self.buckets if b > 1]
+        try:
+            if 1 in self.buckets:
+                compiled[1] = self._compile_bucket(1, options)
+            if len(batched) == 1:
+                compiled[batched[0]] = self._compile_bucket(batched[0], options)
+            elif batched:
+                step = self._compile_bucket(batched[0], options, up_to=batched[-1])
+                compiled.update((b, step) for b in batched)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure: run eager, say why
+            logger.warning("code predictor: torch.compile of the step failed, running eager: %r", exc)
+            self.mode = "off"
+            self._set_status(f"eager (torch.compile failed at load: {describe(exc)})")
+            return False
+        return True
+
+    def _compile_buckets(
+        self, compiled: dict[int, Any], options: dict[str, Any], cache: dict[str, Any]
+    ) -> bool:
         for b in self.buckets:
-            attempts = [{**o, **cache} for o in bucket_compile_options(self.options, b)]
+            attempts = [{**o, **cache} for o in bucket_compile_options(options, b)]
             for i, options in enumerate(attempts):
                 try:
                     compiled[b] = self._compile_bucket(b, options)
@@ -245,14 +283,20 @@ class StepCompiler:
         # A bound method, not the module: assigning a module would register it as our child.
         return compiled.__call__
 
-    def _compile_bucket(self, bucket: int, options: dict[str, Any]) -> Any:
-        """A step compiled with ``options`` and warmed on ``bucket`` rows (prefill and sub-step)."""
+    def _compile_bucket(self, bucket: int, options: dict[str, Any], up_to: int | None = None) -> Any:
+        """A step compiled with ``options`` and warmed on ``bucket`` rows (prefill and sub-step);
+        with ``up_to``, one graph for every batch of ``bucket`` to ``up_to`` rows, also run on
+        ``up_to`` rows, where a call that would compile again fails."""
         import torch._inductor.config  # noqa: F401 - torch.compile imports it lazily
 
         step = self._fresh_compiled(options)
-        self.counts[bucket] = self.counts.get(bucket, 0) + 1
-        self.steps = {bucket: step}  # forward_cached pads to this bucket and calls it
-        self.warming = True
+        if up_to is not None:
+            step = self._dynamic_batch(step, bucket, up_to)
+        for b in self.buckets:
+            if bucket <= b <= (up_to or bucket):
+                self.counts[b] = self.counts.get(b, 0) + 1
+        self.steps = {bucket: step, up_to or bucket: step}  # forward_cached pads to these, calls it
+        self.warming = self.may_compile = True
         # Inductor reads ``freezing`` outside the per-compile ``options`` scope, so it is set here,
         # around the calls that compile (all of them happen in this warm-up).
         try:
@@ -261,10 +305,26 @@ class StepCompiler:
                 self.thread_cap(),
             ):
                 self.predictor.warm(bucket)
+                self.may_compile = False
+                if up_to is not None:
+                    self.predictor.warm(up_to)
         finally:
-            self.warming = False
+            self.warming = self.may_compile = False
             self.steps = None
         return step
+
+    def _dynamic_batch(self, step: Any, lo: int, hi: int) -> Any:
+        """``step`` with the batch dimension of its batched arguments (``substep``'s ``x``, ``caches``
+        and ``u``) marked dynamic in ``[lo, hi]`` while warming, so that one graph serves them all."""
+
+        def call(*args: Any) -> Any:
+            if self.warming:
+                x, _pos, _mask, caches, _head, u = args[:6]
+                for t in (x, u, *caches):
+                    torch._dynamo.mark_dynamic(t, 0, min=lo, max=hi)
+            return step(*args)
+
+        return call
 
 
 def _csv_ints(values: Iterable[int]) -> str:

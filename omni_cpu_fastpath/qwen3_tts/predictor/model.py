@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.qwen3_tts.noise import predictor_uniforms
 
-from .compiler import DEFAULT_BUCKETS, INDUCTOR_OPTIONS, StepCompiler
+from .compiler import DEFAULT_BUCKETS, StepCompiler
 from .layers import StackedEmbeddings, StackedHeads, rms_norm, rotate_half, sample_codes
 from .stock_interface import StockPredictorInterface
 
@@ -65,8 +65,9 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
         compile_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        options = INDUCTOR_OPTIONS if compile_options is None else compile_options
-        self.compiler = StepCompiler(self, mode=compile, threads=threads, buckets=buckets, options=options)
+        self.compiler = StepCompiler(
+            self, mode=compile, threads=threads, buckets=buckets, options=compile_options
+        )
         cfg = stock.config
         # The stock children, so parameter names stay ``model.*``, ``lm_head.*``, ...
         self.model = stock.model
@@ -162,6 +163,20 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
         """One sampled call on ``rows`` zero rows: what compiles a bucket's shapes."""
         hid = torch.zeros(rows, 1, self.model.codec_embedding[0].weight.shape[1], dtype=self.dtype)
         self.forward_cached(torch.zeros(rows, 1, dtype=torch.long), hid, hid, do_sample=True)
+
+    def linears_run_kernel(self) -> bool:
+        """Whether every linear of the layers multiplies through the package's few-row kernel
+        (int8 layers built with it), which a compiled step then calls as an op."""
+        return all(
+            getattr(m, "gemv", False)
+            for layer in self.model.layers
+            for m in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        )
 
     compile_mode = property(lambda self: self.compiler.mode, doc="'step' or 'off' (also after a fallback)")
     compile_status = property(lambda self: self.compiler.status, doc="what runs the step, and why")

@@ -4,8 +4,9 @@
 weights that ``aten._weight_int8pack_mm`` reads directly, with bf16 activations into the kernel
 (the vectorized path of both the ATen kernel and Inductor's CPP template; no activation
 quantization); input columns of outlier channels (:func:`outlier_channels`) stay fp32 beside it.
-Eager calls of 1-8 rows (decode steps) take the package's kernel instead (``cpu_gemv.py``: the
-same products, ATen's kernel vectorizes only with AVX-512).
+Layers built with the package's kernel (``cpu_gemv.py``: the same products, where ATen's kernel
+vectorizes only with AVX-512) take it for eager calls of 1-8 rows (decode steps) and, as an op,
+inside a compiled step.
 A head table indexed as ``weight[step]`` by a tensor makes Inductor guard on a data-dependent
 value when the table is a frozen constant, and ``index_select`` would copy the head before the GEMM
 reads it, so the int8 and bf16 heads go through small custom ops that the graph calls opaquely on a
@@ -61,7 +62,10 @@ def _int8pack_mm(
 ) -> torch.Tensor:
     # bf16 activations: the vectorized path of both the ATen kernel and Inductor's CPP template.
     x2 = x2.to(torch.bfloat16)
-    if gemv and cpu_gemv.accepts(x2, qweight, scales_bf16):
+    if gemv and torch.compiler.is_compiling():
+        if cpu_gemv.accepts(x2, qweight, scales_bf16, traced=True):
+            return cpu_gemv.gemv_op(x2, qweight, scales_bf16)
+    elif gemv and cpu_gemv.accepts(x2, qweight, scales_bf16):
         return cpu_gemv.gemv(x2, qweight, scales_bf16)
     return torch.ops.aten._weight_int8pack_mm(x2, qweight, scales_bf16)
 
@@ -100,7 +104,7 @@ class Int8Linear(nn.Module):
         self.register_buffer(
             "float_weight", None if float_weight is None else float_weight.to(torch.float32).contiguous()
         )
-        self.gemv = cpu_gemv.wanted()  # eager calls of 1-8 rows: the package's kernel
+        self.gemv = cpu_gemv.wanted()  # eager calls of 1-8 rows and compiled steps: the package's kernel
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, float_cols: torch.Tensor | None = None) -> Int8Linear:
