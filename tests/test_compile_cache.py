@@ -4,6 +4,8 @@
   FX graph cache keys frozen weights by shape only while the entry stores constants derived from
   them, so without the digest a second checkpoint of the same shapes would be served the first
   one's weights.
+- Around the few-row kernel (the int8 step) nothing is frozen: the entries serve another
+  checkpoint of the same shapes, which still computes with its own weights.
 - ``warmup`` fills the cache folder, and a fresh process building the same predictor loads every
   graph from it instead of compiling.
 - The served build compiles each reachable bucket once, the parity copy none.
@@ -131,3 +133,52 @@ def test_served_buckets_stop_at_max_num_seqs(tiny_model_dir, monkeypatch) -> Non
         # The parity reference is an eager copy: it compiles nothing of its own.
         assert built.checker.reference.compile_mode == "off"
     assert compiled == [(1,), (1, 2, 3), (1, 2, 4, 8)], "one warm-up per build, after int8 and parity"
+
+
+@pytest.mark.slow
+def test_kernel_graph_entries_serve_another_checkpoint(
+    tiny_model_dir, make_checkpoint, tmp_path, monkeypatch
+) -> None:
+    """Around the few-row kernel the weights are graph inputs, not frozen constants: a second
+    checkpoint of the same shapes loads the first one's graphs (AOTAutograd's cache and
+    Inductor's, no weights in the key) and still computes with its own weights (tiny fp32: the
+    codes of its own eager predictor, bit for bit)."""
+    from torch._dynamo.utils import counters
+
+    from omni_cpu_fastpath.qwen3_tts import quant
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
+    from omni_cpu_fastpath.testing.stock import layer0_embedding
+
+    monkeypatch.setenv("VLLM_OMNI_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+
+    def build(model_dir: Path, compile: str) -> CachedCodePredictor:
+        stock = build_stock_predictor(model_dir)
+        pred = CachedCodePredictor.from_stock(stock, compile=compile, buckets=(1, 2, 4), warmup=False)
+        quant.quantize_predictor(pred, "w8-channel", compile=compile)
+        if compile == "step":
+            assert pred.warmup(), pred.compile_status
+            assert pred.compiler.kernel_graph, pred.compile_status
+        return pred
+
+    build(tiny_model_dir, "step")
+    other_dir = make_checkpoint(dims="tiny", seed=1)
+    hits = counters["aot_autograd"]["autograd_cache_hit"]
+    other = build(other_dir, "step")
+    # Bucket 1's two graphs and the pair that buckets 2 and 4 share, all from the cache.
+    assert (other.compiler.cache_hits, other.compiler.cache_misses) == (4, 0)
+    assert counters["aot_autograd"]["autograd_cache_hit"] - hits == 4
+    eager = build(other_dir, "off")
+    width = eager.model.codec_embedding[0].weight.shape[1]
+    for bsz in (1, 3, 4):
+        g = torch.Generator().manual_seed(bsz)
+        code = torch.randint(0, 2048, (bsz, 1), generator=g)
+        inp = {
+            "layer0_code": code,
+            "layer0_embed": layer0_embedding(other_dir, code),
+            "last_talker_hidden": torch.randn(bsz, 1, width, generator=g),
+        }
+        gens = [torch.Generator().manual_seed(10 * bsz + i) for i in range(bsz)]
+        got, _ = other.forward_cached(**inp, generators=gens)
+        gens = [torch.Generator().manual_seed(10 * bsz + i) for i in range(bsz)]
+        want, _ = eager.forward_cached(**inp, generators=gens)
+        assert torch.equal(got, want), bsz

@@ -207,6 +207,34 @@ def test_int8_linear_takes_the_kernel_for_few_rows_and_aten_otherwise(monkeypatc
     assert torch.equal(on(big), off(big))
 
 
+def test_the_op_takes_any_row_count_in_blocks_and_a_compiled_linear_calls_it() -> None:
+    """``gemv_op`` (what a compiled step calls): every row equals float64 within the bound and
+    equals the eager kernel's row, beyond 8 rows too (blocks of 8); an ``Int8Linear`` inside a
+    compiled graph gives exactly its eager output, with the kernel in the graph, not ATen's mm."""
+    x, q, s = _operands(19, 300, 70, torch.bfloat16, torch.bfloat16, seed=8)
+    got = cpu_gemv.gemv_op(x, q, s)
+    ref, bound = _reference_and_bound(x, q, s, torch.bfloat16)
+    assert bool(((got.double() - ref).abs() <= bound).all())
+    assert torch.equal(got, torch.cat([cpu_gemv.gemv(x[i : i + 1], q, s) for i in range(19)]))
+    torch.library.opcheck(cpu_gemv.gemv_op, (x, q, s))
+    torch.library.opcheck(cpu_gemv.gemv_op, (x[:3].float(), _bf16_weight(70, 300), None))
+
+    # No bias: Inductor would add it before rounding to bf16, where eager rounds twice.
+    lin = quant.Int8Linear(*quant.quantize_per_channel(_linear().weight))
+    assert lin.gemv
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    backend = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(lin, backend=backend, fullgraph=True, dynamic=False)
+    for rows in (1, 5, 16):
+        xb = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = torch.cat([cpu_gemv.gemv(xb[i : i + 1], lin.qweight, lin.scales) for i in range(rows)])
+        assert torch.equal(compiled(xb), want), rows
+    targets = {str(n.target) for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("omni_cpu_fastpath.gemv" in t for t in targets), targets
+    assert not any("_weight_int8pack_mm" in t for t in targets), targets
+
+
 def test_int8_stacked_heads_take_the_kernel(monkeypatch) -> None:
     g = torch.Generator().manual_seed(7)
     table = torch.randn(15, 64, 128, generator=g) * 0.05
