@@ -84,7 +84,8 @@ FLAGS: dict[str, Flag] = {
             "VLLM_OMNI_PREDICTOR_COMPILE",
             "choice",
             "off",
-            "off: eager predictor step; step: torch.compile one static sub-step, warmed at load.",
+            "off: eager predictor step; step: torch.compile one static sub-step, warmed at load "
+            "(`omni-cpu-fastpath serve` sets step where unset).",
             choices=("off", "step"),
         ),
         Flag(

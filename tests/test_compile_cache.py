@@ -182,3 +182,33 @@ def test_kernel_graph_entries_serve_another_checkpoint(
         gens = [torch.Generator().manual_seed(10 * bsz + i) for i in range(bsz)]
         want, _ = eager.forward_cached(**inp, generators=gens)
         assert torch.equal(got, want), bsz
+
+
+@pytest.mark.slow
+def test_a_server_with_serves_defaults_loads_what_warmup_compiled(tiny_model_dir, tmp_path) -> None:
+    """``warmup`` outside a server fills the entries the served int8 step looks up (the cache key
+    holds global state that a vLLM worker sets, pinned by ``compiler.cache_key_state``), and
+    ``serve``'s defaults compile the step: four buckets loaded, none compiled, audio served."""
+    from omni_cpu_fastpath import step_stats
+    from omni_cpu_fastpath.serving import commands as serving
+
+    cache = tmp_path / "inductor"
+    first = _warmup(tiny_model_dir, cache)
+    assert first["buckets"] == [1, 2, 4, 8] and first["graphs_compiled"] == 4, first
+    env = {
+        **serving.serve_defaults({}),
+        "VLLM_OMNI_COMPILE_CACHE_DIR": str(cache),
+        "VLLM_OMNI_STEP_STATS_DIR": str(tmp_path / "stats"),
+    }
+    assert env["VLLM_OMNI_PREDICTOR_COMPILE"] == "step"
+    with serving.running_server(str(tiny_model_dir), tmp_path / "server.log", env=env) as server:
+        speech = serving.synthesize(server, "Compiled from the cache.", max_frames=12, seed=3)
+    assert speech.audio_s > 0
+    (talker,) = [
+        c for c in step_stats.served_dir(tmp_path / "stats").values() if "talker" in c["model"].lower()
+    ]
+    status = talker["predictor.compile"]
+    assert status.startswith("step (buckets 1,2,4,8, compiled at load"), status
+    assert status.endswith("; few-row kernel in the graph)"), status
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert "4 graphs loaded, 0 compiled" in log, [ln for ln in log.splitlines() if "compile cache" in ln]

@@ -259,6 +259,21 @@ def test_serve_command_fills_cpu_defaults(tiny_model_dir, tmp_path, monkeypatch)
     assert [st.get("quantization") for st in written["stages"]] == ["omni_cpu_talker_w8_plain", None]
 
 
+def test_serve_compiles_the_predictor_unless_told_otherwise(monkeypatch):
+    monkeypatch.delenv("VLLM_OMNI_PREDICTOR_COMPILE", raising=False)
+    assert serving.serve_defaults() == {"VLLM_OMNI_PREDICTOR_COMPILE": "step"}
+    assert serving.serve_defaults({"VLLM_OMNI_PREDICTOR_COMPILE": ""}) == serving.SERVE_DEFAULTS
+    for mine in ("off", "step"):
+        assert serving.serve_defaults({"VLLM_OMNI_PREDICTOR_COMPILE": mine}) == {}
+    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_COMPILE", "off")
+    assert serving.serve_defaults() == {}
+    # The flag's own default (plain `vllm serve`, the library) stays eager.
+    monkeypatch.delenv("VLLM_OMNI_PREDICTOR_COMPILE")
+    from omni_cpu_fastpath import envs
+
+    assert envs.get("VLLM_OMNI_PREDICTOR_COMPILE") == "off"
+
+
 def test_serve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path):
     with pytest.raises(serving.ServingError, match="without config.json"):
         serving.serve_command(str(tmp_path))

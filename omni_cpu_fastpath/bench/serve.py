@@ -298,7 +298,9 @@ def bench_impl(
         "VLLM_OMNI_CPU_FASTPATH": "1" if impl == "fast" else "0",
         "VLLM_OMNI_STEP_STATS_DIR": str(stats_dir),
     }
-    if impl != "fast":
+    if impl == "fast":
+        env.update(commands.serve_defaults())  # what `serve` serves
+    else:
         # Stock is the fast path's off switch, which refuses a talker int8 scheme set beside it
         # (say, exported for the fast row).
         env["VLLM_OMNI_TALKER_INT8"] = "off"

@@ -117,12 +117,25 @@ def _vllm_executable() -> str:
     return found
 
 
+# What ``serve`` sets where the environment does not (and so the demo and ``bench serve``, which
+# show what it serves): the compiled predictor step. Around the few-row kernel a warm start adds
+# seconds (``omni-cpu-fastpath warmup MODEL`` fills the cache ahead of the first); plain
+# ``vllm serve`` and the library keep each flag's own default.
+SERVE_DEFAULTS: dict[str, str] = {"VLLM_OMNI_PREDICTOR_COMPILE": "step"}
+
+
+def serve_defaults(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The :data:`SERVE_DEFAULTS` that ``environ`` (default: this process's) leaves unset."""
+    environ = os.environ if environ is None else environ
+    return {name: value for name, value in SERVE_DEFAULTS.items() if not environ.get(name)}
+
+
 def cli_serve(args: argparse.Namespace) -> int:
     from omni_cpu_fastpath import envs
 
     envs.validate_all()
     cmd = serve_command(args.model, args.vllm_args)
-    added = server_env()
+    added = {**serve_defaults(), **server_env()}
     for name, value in added.items():
         print(f"omni-cpu-fastpath: {name}={value}", file=sys.stderr, flush=True)
     print("omni-cpu-fastpath: " + " ".join(cmd), file=sys.stderr, flush=True)
@@ -400,7 +413,7 @@ def cli_demo(args: argparse.Namespace) -> int:
     if stats_dir.is_dir() and not os.environ.get("VLLM_OMNI_STEP_STATS_DIR"):
         for old in list(stats_dir.glob("*.jsonl")) + list(stats_dir.glob("*.summary.json")):
             old.unlink()
-    env = {"VLLM_OMNI_STEP_STATS_DIR": str(stats_dir)}
+    env = {**serve_defaults(), "VLLM_OMNI_STEP_STATS_DIR": str(stats_dir)}
     max_frames = int(getattr(args, "max_frames", DEMO_MAX_FRAMES))
     print(
         f"demo: model {model}; starting the server on {LOOPBACK} (log {workdir / 'server.log'})", flush=True

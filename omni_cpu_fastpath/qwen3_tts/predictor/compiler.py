@@ -66,6 +66,25 @@ def compiled_call_state() -> Iterator[None]:
             torch.set_default_dtype(prev)
 
 
+@contextlib.contextmanager
+def cache_key_state() -> Iterator[None]:
+    """Global settings that AOTAutograd's and Inductor's cache keys hold, set for each compile as
+    a vLLM CPU worker has them: fp32 matmul precision "highest" (the worker sets it) and kernels
+    that read the thread count at run time (vLLM's CPU platform turns ``cpp.dynamic_threads`` on).
+    A compile outside a server (``omni-cpu-fastpath warmup``) then fills the entries a server
+    looks up, and a compiled step follows torch's thread count."""
+    import torch._inductor.config
+
+    matmul = torch.backends.cuda.matmul
+    prev = matmul.fp32_precision
+    matmul.fp32_precision = "ieee"
+    try:
+        with torch._inductor.config.patch({"cpp.dynamic_threads": True}):
+            yield
+    finally:
+        matmul.fp32_precision = prev
+
+
 # Inductor settings that make batch-1 GEMV read weights near the bandwidth floor on CPU: freezing
 # folds the weights into the graph so the CPP GEMM templates can pre-pack them.
 INDUCTOR_OPTIONS: dict[str, Any] = {
@@ -302,6 +321,7 @@ class StepCompiler:
         try:
             with (
                 torch._inductor.config.patch(freezing=bool(options.get("freezing", False))),
+                cache_key_state(),
                 self.thread_cap(),
             ):
                 self.predictor.warm(bucket)
