@@ -234,10 +234,7 @@ class StepCompiler:
                 step = self._compile_bucket(batched[0], options, up_to=batched[-1])
                 compiled.update((b, step) for b in batched)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run eager, say why
-            logger.warning("code predictor: torch.compile of the step failed, running eager: %r", exc)
-            self.mode = "off"
-            self._set_status(f"eager (torch.compile failed at load: {describe(exc)})")
-            return False
+            return self._eager_after(exc)
         return True
 
     def _compile_buckets(
@@ -260,11 +257,15 @@ class StepCompiler:
                             attempts[i + 1].get("max_autotune_gemm_backends"),
                         )
                         continue
-                    logger.warning("code predictor: torch.compile of the step failed, running eager: %r", exc)
-                    self.mode = "off"
-                    self._set_status(f"eager (torch.compile failed at load: {describe(exc)})")
-                    return False
+                    return self._eager_after(exc)
         return True
+
+    def _eager_after(self, exc: Exception) -> bool:
+        """Compiling failed at load: the step runs eager from now on, and the status says why."""
+        logger.warning("code predictor: torch.compile of the step failed, running eager: %r", exc)
+        self.mode = "off"
+        self._set_status(f"eager (torch.compile failed at load: {describe(exc)})")
+        return False
 
     def drop(self, bucket: int, exc: Exception) -> None:
         """A compiled bucket failed at run time: batches pad to the next compiled bucket from now
