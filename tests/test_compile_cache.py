@@ -56,6 +56,13 @@ def test_cache_dir_flag(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("VLLM_OMNI_COMPILE_CACHE_DIR", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert compile_cache.cache_dir() == tmp_path / "xdg" / "omni-cpu-fastpath" / "inductor"
+    # What importing Inductor does in every process: torch writes its own /tmp default into the
+    # variable. That is not the user's choice; the cache stays where it survives a reboot.
+    from torch._inductor.runtime import cache_dir_utils
+
+    torch_default = cache_dir_utils.cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == torch_default == cache_dir_utils.default_cache_dir()
+    assert compile_cache.cache_dir() == tmp_path / "xdg" / "omni-cpu-fastpath" / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch"))
     assert compile_cache.cache_dir() == tmp_path / "torch"
     monkeypatch.setenv("VLLM_OMNI_COMPILE_CACHE_DIR", str(tmp_path / "ours"))

@@ -41,8 +41,13 @@ def cache_dir() -> Path:
     path = envs.get(FLAG)
     if path:
         return Path(path).expanduser()
-    if os.environ.get(_TORCH_ENV):
-        return Path(os.environ[_TORCH_ENV])
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    # Importing Inductor writes torch's own default (under /tmp) into the variable, so that value
+    # says nothing about the user's wish.
+    torch_dir = os.environ.get(_TORCH_ENV)
+    if torch_dir and torch_dir != default_cache_dir():
+        return Path(torch_dir)
     return default_dir()
 
 
