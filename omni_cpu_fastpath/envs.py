@@ -151,11 +151,21 @@ FLAGS: dict[str, Flag] = {
             "Also run the higher-precision predictor, teacher-forced, and record parity in step_stats.",
         ),
         Flag(
+            "VLLM_OMNI_TALKER_COMPILE",
+            "choice",
+            "off",
+            "off: the talker's decoder runs eager; vllm: vLLM's own compilation (Inductor, traced once "
+            "for every batch size) compiles it at load, cached on disk by vLLM. Not with talker int8 or "
+            "VLLM_OMNI_TALKER_FP32_PREFILL=on (their linears branch on the row count); off with "
+            "VLLM_OMNI_CPU_FASTPATH off.",
+            choices=("off", "vllm"),
+        ),
+        Flag(
             "VLLM_OMNI_TALKER_PARITY_CHECK",
             "bool",
             "0",
-            "With talker int8 on: also run the talker's bf16 linears on the same inputs each step and "
-            "record codec-0 parity in step_stats.",
+            "With talker int8 or VLLM_OMNI_TALKER_COMPILE on: also run the talker's decoder eager with "
+            "its float linears on the same inputs each step and record codec-0 parity in step_stats.",
         ),
         Flag(
             "VLLM_OMNI_CPU_FAST_SAMPLER",

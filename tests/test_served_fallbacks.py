@@ -76,6 +76,7 @@ def test_predictor_construction_error_missing_kernels_and_the_int8_talker(
     # and the talker on all its threads throughout.
     assert before["openmp.blocktime"] == "5 ms (Intel OpenMP; VLLM_OMNI_OMP_BLOCKTIME empty; vLLM's setting)"
     assert before["core_sharing"] == "off (VLLM_OMNI_CORE_SHARING=0)", before
+    assert before["talker.compile"] == "off (eager)", before  # VLLM_OMNI_TALKER_COMPILE's default
     # The stock predictor serves, and the reason is recorded and logged.
     assert before["predictor"].startswith("stock (CachedCodePredictor.from_stock failed"), before
     assert "injected: CachedCodePredictor cannot be built" in before["predictor"]

@@ -21,6 +21,9 @@ when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
   weights first and records ``talker.parity.*`` (``talker_parity.TalkerParityChecker``).
   VLLM_OMNI_TALKER_FP32_PREFILL takes the same road with int8 off (``quant/talker_fp32_prefill.py``);
   this class records how a prefill runs as ``talker.prefill``.
+- VLLM_OMNI_TALKER_COMPILE=vllm leaves the stage's decoder to vLLM's own compilation (the stage
+  settings); this class records it as ``talker.compile``, and with the parity check on the
+  reference forward runs the decoder eager (``talker_parity.eager_decoder``).
 - VLLM_OMNI_CPU_FAST_SAMPLER (CPU only): ``prefer_model_sampler = True`` and ``sample()`` uses
   ``omni_cpu_fastpath.qwen3_tts.sampler.CpuSampler`` (no torch.compile) for codebook 0.
 
@@ -125,6 +128,21 @@ def build_served_predictor(stock: nn.Module, max_batch: int, on_cpu: bool = True
     return ServedPredictorBuild(predictor, checker, served)
 
 
+def _attends() -> bool:
+    """Whether this forward has attention metadata. vLLM's profile and compile warm-up runs have
+    none (attention leaves its output unwritten): nothing there for the parity check to compare."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return is_forward_context_available() and get_forward_context().attn_metadata is not None
+
+
+def compile_status(vllm_config: Any) -> str:
+    """How vLLM compiles the talker's decoder, for ``step_stats.served`` (``talker.compile``)."""
+    config = vllm_config.compilation_config
+    mode = getattr(config.mode, "name", config.mode)
+    return f"vllm ({mode}, backend {config.backend}: one graph for every batch size, compiled at load)"
+
+
 class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
     """The stock talker plus the KV-cached predictor and the compile-free sampler."""
 
@@ -153,36 +171,45 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         self._model_sampler: nn.Module | None = None
         self._sampler_times_itself = False
         self._init_sampler(vllm_config)
-        self._init_talker_int8(vllm_config)
+        self._init_decoder(vllm_config)
 
-    def _init_talker_int8(self, vllm_config: Any) -> None:
-        # The decoder linears were given their quantization method while the layers were built.
+    def _init_decoder(self, vllm_config: Any) -> None:
+        # The decoder linears were given their quantization method while the layers were built,
+        # and vLLM's compile wrapper of the decoder was set up from the stage's compilation config.
         quant_config = vllm_config.quant_config
         parity = envs.get("VLLM_OMNI_TALKER_PARITY_CHECK")
         from omni_cpu_fastpath.qwen3_tts.quant import talker_fp32_prefill
 
         dtype = vllm_config.model_config.dtype
         self._serve("talker.prefill", talker_fp32_prefill.served_status(self, quant_config, dtype))
+        compiled = not getattr(self.model, "do_not_compile", True)
+        self._serve("talker.compile", compile_status(vllm_config) if compiled else "off (eager)")
         if isinstance(quant_config, talker_fp32_prefill.TalkerFp32PrefillConfig):
             quant_config = None  # no int8: its decoder linears are float
-        if quant_config is None:
-            self._serve("talker.int8", "off")
-            if parity:
-                self._serve("talker.parity", "off (VLLM_OMNI_TALKER_INT8 off: nothing to compare)")
-            return
         from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import TalkerW8Config, served_status
 
-        self._serve("talker.int8", served_status(self, quant_config))
-        self._int8_gains = isinstance(quant_config, TalkerW8Config) and quant_config.float_columns
+        if quant_config is None:
+            self._serve("talker.int8", "off")
+        else:
+            self._serve("talker.int8", served_status(self, quant_config))
+            self._int8_gains = isinstance(quant_config, TalkerW8Config) and quant_config.float_columns
         if not parity:
             return
-        if not isinstance(quant_config, TalkerW8Config):
-            self._serve("talker.parity", f"off ({quant_config.get_name()} quantization)")
+        references = []
+        if compiled:
+            references.append("the decoder eager")
+        if isinstance(quant_config, TalkerW8Config):
+            references.append("the int8 layers' float weights")
+        if not references:
+            why = "nothing to compare: talker int8 off and the decoder eager"
+            if quant_config is not None:
+                why = f"{quant_config.get_name()} quantization"
+            self._serve("talker.parity", f"off ({why})")
             return
         from omni_cpu_fastpath.qwen3_tts.talker_parity import TalkerParityChecker
 
         self._talker_parity = TalkerParityChecker(self)
-        self._serve("talker.parity", "on (the int8 layers' float weights, same inputs, before each forward)")
+        self._serve("talker.parity", f"on ({' with '.join(references)}, same inputs, before each forward)")
 
     def _serve(self, component: str, detail: str) -> None:
         self.served[component] = detail
@@ -263,7 +290,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
     # --- timed entry points --------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._talker_parity is not None:
+        if self._talker_parity is not None and _attends():
             return self._talker_parity.run(super().forward, *args, timer=step_stats.MODEL_FORWARD, **kwargs)
         with step_stats.timer(step_stats.MODEL_FORWARD, sync=True):
             return super().forward(*args, **kwargs)

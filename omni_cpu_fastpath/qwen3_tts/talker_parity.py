@@ -11,11 +11,12 @@ every position sees the same inputs whatever it would have sampled), codec logit
 ids the talker may sample (codes ``[1, codebook)`` and codec EOS), against the fp32 talker; bf16
 is the control, as for the predictor (``parity.default_rule``).
 
-In situ (``VLLM_OMNI_TALKER_PARITY_CHECK=1`` with ``VLLM_OMNI_TALKER_INT8`` on):
-:class:`TalkerParityChecker` runs the served talker's decoder once more per forward, before the
-served run, with every int8 layer serving its float weight as loaded (the bf16 reference of the
-same layers, on the same inputs and the same KV history), and records codec-0 parity of every
-position of the forward into ``step_stats`` as ``talker.parity.{top1,top5,kl,max_logit_diff}``.
+In situ (``VLLM_OMNI_TALKER_PARITY_CHECK=1`` with ``VLLM_OMNI_TALKER_INT8`` or
+``VLLM_OMNI_TALKER_COMPILE`` on): :class:`TalkerParityChecker` runs the served talker's decoder
+once more per forward, before the served run, eager (not through vLLM's compiled graph) and with
+every int8 layer serving its float weight as loaded (the bf16 eager reference of the same layers, on
+the same inputs and the same KV history), and records codec-0 parity of every position of the
+forward into ``step_stats`` as ``talker.parity.{top1,top5,kl,max_logit_diff}``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -246,13 +247,15 @@ def weight_bytes(talker: nn.Module) -> int:
 
 
 class TalkerParityChecker:
-    """In-situ codec-0 parity of the served int8 talker against its float linears (module docstring).
+    """In-situ codec-0 parity of the served talker (int8, compiled) against its eager float self
+    (module docstring).
 
     ``run(forward, *args, **kwargs)``: ``forward`` is the talker's decoder forward; it runs first
-    inside ``talker_int8.reference_linears()`` on copies of the tensor arguments (vLLM's fused
-    residual RMSNorm may add into the input embeddings in place), writing its K/V for this step's
-    positions, then as served on the originals, which overwrites those K/V, so the cache keeps the
-    served history. The served output is returned and the parity of every position recorded.
+    inside ``talker_int8.reference_linears()`` and :func:`eager_decoder` on copies of the tensor
+    arguments (vLLM's fused residual RMSNorm may add into the input embeddings in place), writing its
+    K/V for this step's positions, then as served on the originals, which overwrites those K/V, so
+    the cache keeps the served history. The served output is returned and the parity of every
+    position recorded.
     """
 
     def __init__(self, talker: nn.Module, prefix: str = TALKER_PARITY_PREFIX) -> None:
@@ -267,7 +270,7 @@ class TalkerParityChecker:
             return v.clone() if isinstance(v, torch.Tensor) else v
 
         t0 = time.perf_counter()
-        with reference_linears():
+        with reference_linears(), eager_decoder(self.talker):
             reference = forward(*map(copied, args), **{k: copied(v) for k, v in kwargs.items()})
         spent = time.perf_counter() - t0
         with step_stats.timer(timer, sync=True) if timer else contextlib.nullcontext():
@@ -293,6 +296,23 @@ class TalkerParityChecker:
             for x in values.tolist():
                 step_stats.record(f"{self.prefix}.{name}", x)
         return metrics
+
+
+@contextlib.contextmanager
+def eager_decoder(talker: nn.Module) -> Iterator[None]:
+    """Inside: the talker's decoder (vLLM's ``Qwen3Model``, which ``support_torch_compile`` wraps)
+    runs its Python forward, not vLLM's compiled graph; a decoder that does not compile is unchanged.
+    ``do_not_compile`` is the attribute vLLM's wrapper reads at every call, set per instance."""
+    model = talker.model
+    before = getattr(model, "do_not_compile", None)
+    if before is None:
+        yield
+        return
+    model.do_not_compile = True
+    try:
+        yield
+    finally:
+        model.do_not_compile = before
 
 
 def cli_talker_parity(args: argparse.Namespace) -> int:

@@ -21,6 +21,7 @@ from .stage_settings import (
     StageSettings,
     cpu_stage_envs,
     kv_space_from_env,
+    stage_compiles,
     stage_quantization,
 )
 
@@ -43,7 +44,7 @@ def _stage_overlay(
 ) -> dict[str, Any]:
     stage: dict[str, Any] = {
         "stage_id": settings.stage_id,
-        "enforce_eager": settings.enforce_eager,
+        "enforce_eager": settings.enforce_eager and not stage_compiles(settings, environ),
         "max_num_seqs": settings.max_num_seqs,
     }
     if settings.max_model_len is not None:
@@ -58,6 +59,12 @@ def _stage_overlay(
         stage["quantization"] = quantization
     if not kv_space_from_env(environ):
         stage["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    server_env = os.environ if environ is None else environ
+    if stage_compiles(settings, environ) and "VLLM_USE_AOT_COMPILE" not in server_env:
+        # vLLM's AOT artifact of a model compiled on CPU fails to load at the next start ("'function'
+        # object has no attribute 'finalize_loading'"), so each start compiled it again; the cache
+        # vLLM keeps without AOT loads.
+        env = {**env, "VLLM_USE_AOT_COMPILE": "0"}
     if env:
         stage["env"] = env
     return stage

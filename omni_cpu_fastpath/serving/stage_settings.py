@@ -70,6 +70,9 @@ class StageSettings:
     # Whether VLLM_OMNI_TALKER_INT8 selects this stage's quantization method (its decoder linears).
     # Deploy config, and the platform hook when the stage's config has no quantization of its own.
     int8_linears: bool = False
+    # Whether VLLM_OMNI_TALKER_COMPILE lets vLLM compile this stage's model instead of the eager
+    # default. Deploy config (``enforce_eager``), and the platform hook, which otherwise makes it eager.
+    vllm_compile: bool = False
 
 
 QWEN3_TTS_STAGES: tuple[StageSettings, ...] = (
@@ -81,6 +84,7 @@ QWEN3_TTS_STAGES: tuple[StageSettings, ...] = (
         max_num_seqs=8,
         max_model_len=4096,
         int8_linears=True,
+        vllm_compile=True,
     ),
     # code2wav runs once per audio chunk.
     StageSettings(
@@ -142,8 +146,48 @@ def stage_quantization(
             )
         return None
     if scheme != "off":
+        stage_compiles(settings, environ)  # refuses int8 beside a compiled talker
         return TALKER_INT8_METHODS[scheme]
+    if stage_compiles(settings, environ):
+        # The fp32-prefill method branches on the row count, which a graph traced once for every
+        # batch size cannot keep (an explicit ``on`` beside the compile is refused there).
+        return None
     return TALKER_FP32_PREFILL_METHOD if fp32_prefill(environ) else None
+
+
+def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether VLLM_OMNI_TALKER_COMPILE has vLLM compile this stage (``vllm``: its own compilation,
+    Inductor, the model traced once for every batch size); otherwise the stage runs eager.
+
+    Refused with a :class:`~omni_cpu_fastpath.envs.FlagError` naming both variables, rather than
+    served otherwise than asked: beside ``VLLM_OMNI_CPU_FASTPATH`` off (the stock talker runs
+    eager), talker int8 or ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` (linear methods that pick a kernel
+    by the row count, which one traced graph would fix for every batch size).
+    """
+    if settings is None or not settings.vllm_compile:
+        return False
+    environ = os.environ if environ is None else environ
+    if envs.get("VLLM_OMNI_TALKER_COMPILE", environ) == "off":
+        return False
+    asked = f"VLLM_OMNI_TALKER_COMPILE={envs.raw('VLLM_OMNI_TALKER_COMPILE', environ)!r}"
+    if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
+        master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
+        raise envs.FlagError(
+            f"{asked} needs the fast path, but {master} turns it off (the stock talker serves "
+            "eager): set VLLM_OMNI_TALKER_COMPILE=off (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
+        )
+    branching = {
+        "VLLM_OMNI_TALKER_INT8": envs.get("VLLM_OMNI_TALKER_INT8", environ) != "off",
+        "VLLM_OMNI_TALKER_FP32_PREFILL": envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) == "on",
+    }
+    for name, on in branching.items():
+        if on:
+            raise envs.FlagError(
+                f"{asked} cannot serve beside {name}={envs.raw(name, environ)!r}: its linear method "
+                "picks a kernel by the number of rows, and a graph traced once for every batch size "
+                f"would keep one of them; set {name}=off, or VLLM_OMNI_TALKER_COMPILE=off"
+            )
+    return True
 
 
 def fp32_prefill(environ: Mapping[str, str] | None = None) -> bool:

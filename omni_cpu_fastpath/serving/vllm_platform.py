@@ -23,7 +23,13 @@ from vllm.platforms.cpu import CpuPlatform
 
 from omni_cpu_fastpath import envs
 
-from .stage_settings import kv_space_from_env, omni_kv_bytes, stage_quantization, stage_settings
+from .stage_settings import (
+    kv_space_from_env,
+    omni_kv_bytes,
+    stage_compiles,
+    stage_quantization,
+    stage_settings,
+)
 
 logger = logging.getLogger(f"vllm.{__name__}")
 
@@ -55,11 +61,14 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
         changes.append("Model Runner V1 (V2 needs Triton GPU kernels)")
     compilation_config = vllm_config.compilation_config
     if not model_config.enforce_eager and compilation_config.mode == CompilationMode.VLLM_COMPILE:
-        # The CPU default would compile the whole model with inductor at start-up (minutes on a
-        # few cores) for a per-step model that the fast path speeds up in its own way.
-        model_config.enforce_eager = True
-        compilation_config.mode = CompilationMode.NONE
-        changes.append("eager")
+        if stage_compiles(stage_settings(model_config)):
+            changes.append("compiled by vLLM (VLLM_OMNI_TALKER_COMPILE)")
+        else:
+            # The CPU default would compile the whole model with inductor at start-up (minutes on
+            # a few cores) for a per-step model that the fast path speeds up in its own way.
+            model_config.enforce_eager = True
+            compilation_config.mode = CompilationMode.NONE
+            changes.append("eager")
     cache_config = vllm_config.cache_config
     if cache_config.kv_cache_memory_bytes is None and not kv_space_from_env():
         # The same budget the CPU deploy config writes for this stage (one table for both).

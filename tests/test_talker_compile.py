@@ -1,0 +1,145 @@
+"""VLLM_OMNI_TALKER_COMPILE: the talker's decoder compiled by vLLM's own compilation.
+
+References: vLLM's and vllm-omni's own config code builds each stage's config (both roads: the CPU
+deploy config, and the platform hook on engine arguments that set nothing), and a served request's
+every talker forward is compared, in situ, with the same decoder run eager on the same inputs
+(``VLLM_OMNI_TALKER_PARITY_CHECK``): the stock numerics, unfused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from omni_cpu_fastpath import envs, step_stats
+from omni_cpu_fastpath.serving import commands as serving
+from omni_cpu_fastpath.serving import deploy_config, stage_settings
+
+TALKER, CODE2WAV = stage_settings.QWEN3_TTS_STAGES
+FRAMES = 8
+
+
+def _stage_config(model: Path, stage: stage_settings.StageSettings, arch: str):
+    """A stage's config as plain ``vllm serve MODEL --omni`` builds it (the platform hook applied)."""
+    from vllm_omni.engine.arg_utils import OmniEngineArgs
+
+    worker = "ar" if stage is TALKER else "generation"
+    return OmniEngineArgs(
+        model=str(model),
+        stage_id=stage.stage_id,
+        model_stage=stage.model_stage,
+        model_arch=arch,
+        worker_type=worker,
+        trust_remote_code=True,
+        max_model_len=512,
+    ).create_engine_config()
+
+
+def test_flag_compiles_the_talker_stage_only_on_both_roads(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    from vllm.config import CompilationMode
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")
+    archs = {TALKER: "Qwen3TTSTalkerForConditionalGeneration", CODE2WAV: "Qwen3TTSCode2Wav"}
+    for flag, talker_eager in (("off", True), ("vllm", False)):
+        monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", flag)
+        overlay = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+        written = {s["stage_id"]: s for s in overlay["stages"]}
+        assert written[TALKER.stage_id]["enforce_eager"] is talker_eager, flag
+        assert written[CODE2WAV.stage_id]["enforce_eager"] is True, flag
+        # The cache vLLM loads again at the next start: not its AOT artifact (fails to load on CPU).
+        aot = written[TALKER.stage_id]["env"].get("VLLM_USE_AOT_COMPILE")
+        assert aot == (None if talker_eager else "0"), flag
+        assert "VLLM_USE_AOT_COMPILE" not in written[CODE2WAV.stage_id].get("env", {})
+        with monkeypatch.context() as m:  # a value the user set is theirs
+            m.setenv("VLLM_USE_AOT_COMPILE", "1")
+            overlay = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+            assert "VLLM_USE_AOT_COMPILE" not in overlay["stages"][TALKER.stage_id]["env"]
+        for stage, eager in ((TALKER, talker_eager), (CODE2WAV, True)):
+            config = _stage_config(tiny_model_dir, stage, archs[stage])
+            assert config.model_config.enforce_eager is eager, (flag, stage.model_stage)
+            # Compiled as vLLM's CPU platform compiles a model: traced once, Inductor.
+            want = CompilationMode.NONE if eager else CompilationMode.DYNAMO_TRACE_ONCE
+            assert config.compilation_config.mode == want, (flag, stage.model_stage)
+            if not eager:
+                assert config.compilation_config.backend == "inductor"
+
+
+def test_bad_values_and_branching_linears_are_refused_by_name(monkeypatch) -> None:
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "inductor")
+    with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_TALKER_COMPILE='inductor'.*off\|vllm"):
+        envs.validate_all()
+    with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_TALKER_COMPILE='inductor'"):
+        deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "vllm")
+    assert stage_settings.stage_compiles(TALKER) and not stage_settings.stage_compiles(CODE2WAV)
+    # Linear methods that pick a kernel by the row count: one traced graph would keep one branch.
+    for name, value in (("VLLM_OMNI_TALKER_INT8", "w8-channel"), ("VLLM_OMNI_TALKER_FP32_PREFILL", "on")):
+        monkeypatch.setenv(name, value)
+        refused = rf"VLLM_OMNI_TALKER_COMPILE='vllm'.*{name}='{value}'"
+        with pytest.raises(envs.FlagError, match=refused):
+            deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+        with pytest.raises(envs.FlagError, match=refused):
+            stage_settings.stage_quantization(TALKER)
+        monkeypatch.setenv(name, "off")
+    # Stock is stock: the compile beside the fast path off is refused, naming both.
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "0")
+    with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_TALKER_COMPILE='vllm'.*VLLM_OMNI_CPU_FASTPATH='0'"):
+        deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+
+
+def test_fp32_prefill_auto_gives_way_to_the_compiled_talker(monkeypatch) -> None:
+    """``auto`` would pick the fp32-prefill method on a CPU without native bf16; compiled, the
+    talker keeps vLLM's own linears there, since the method branches on the row count."""
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "auto")
+    monkeypatch.setattr(stage_settings, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "off")
+    assert stage_settings.stage_quantization(TALKER) == stage_settings.TALKER_FP32_PREFILL_METHOD
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "vllm")
+    assert stage_settings.stage_quantization(TALKER) is None
+
+
+@pytest.mark.slow
+def test_served_compiled_talker_matches_its_eager_decoder(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A real server with the talker compiled: the audio comes, and every position of every talker
+    forward (prefill and decode steps) is within rounding of the same decoder run eager."""
+    stats = tmp_path / "stats"
+    env = {
+        "VLLM_OMNI_CPU_FASTPATH": "1",
+        "VLLM_OMNI_TALKER_COMPILE": "vllm",
+        "VLLM_OMNI_TALKER_PARITY_CHECK": "1",
+        "VLLM_OMNI_TALKER_INT8": "off",
+        "VLLM_OMNI_STEP_STATS_DIR": str(stats),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),  # vLLM's compile cache too: a cold compile
+    }
+    per_frame = serving.sample_rate_of(tiny_model_dir) * 2 // 25  # 80 ms frames
+    with serving.running_server(str(tiny_model_dir), tmp_path / "server.log", env=env) as server:
+        for seed in (1, 2):
+            speech = serving.synthesize(server, "Compiled and speaking.", max_frames=FRAMES, seed=seed)
+            samples = round(speech.audio_s * speech.sample_rate)
+            assert samples > 0 and samples % per_frame == 0, (samples, per_frame)
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    assert "compiled by vLLM (VLLM_OMNI_TALKER_COMPILE)" in log
+    assert "Warming up model for the compilation" in log  # vLLM's CPU runner, compiling
+    (talker,) = [s for s in step_stats.served_dir(stats).values() if "talker" in s.get("model", "").lower()]
+    assert talker["talker.compile"].startswith("vllm (DYNAMO_TRACE_ONCE, backend inductor"), talker
+    assert talker["talker.int8"] == "off"
+    assert talker["talker.parity"].startswith("on (the decoder eager"), talker
+    summary = step_stats.summarize_dir(stats)
+    top1, kl = summary["talker.parity.top1"], summary["talker.parity.kl"]
+    assert top1["count"] >= 2 * FRAMES, top1
+    # Fused kernels reorder fp32 sums and round the bf16 hidden states differently, by a bf16 ulp
+    # of a logit here and there: far inside the bf16-against-fp32 difference of the same tiny
+    # checkpoints (test_talker_int8.py: KL 7.3e-4 for bf16, 2.2e-3 for int8). The tiny random
+    # model's logits are nearly flat, so a near-tie may still swap its top-1 at such a difference.
+    assert kl["max"] < 1e-5 and top1["mean"] >= 0.9, (top1, kl)
+    assert summary["talker.parity.max_logit_diff"]["max"] < 0.05, summary["talker.parity.max_logit_diff"]
