@@ -3,13 +3,16 @@
 The stage's async-chunk road: one frame first, then 25-frame chunks, each decoded with the
 request's state (the transformer re-runs its retained window; the stock vocoder 12 frames of left
 context, the streaming one (VLLM_OMNI_CODE2WAV_STREAMING) none, from the convolution tails it kept).
-Rows: stock, fast (VLLM_OMNI_CODE2WAV_FAST), streaming, streaming with fast. Random codec weights
+Rows: stock, fast (VLLM_OMNI_CODE2WAV_FAST), streaming, streaming with fast; and in bfloat16
+(VLLM_OMNI_CODE2WAV_DTYPE): stock (vllm-omni's own decoder at its GPU deploy dtype) and streaming
+with fast, whose SNR against the float32 stock audio is asserted within 3 dB of stock bf16's (bf16 is
+fast only where the CPU multiplies it natively: AVX512-BF16 or AMX). Random codec weights
 at ``OMNI_BENCH_DIMS`` (default ``0.6b``: the released codec; ``tiny`` for a smoke run), fp32,
 torch threads capped at 2 (the stage runs 1 on a 2-core machine: set ``OMP_NUM_THREADS=1``).
 Speed is reported, never asserted: each row's ``extra_info`` holds its ms per 80 ms frame, the
 convolution and linear FLOPs per frame, the frames the vocoder ran per frame returned, the CPU, the
 load average, its speed-up against the stock row of the same session and its SNR against stock's
-audio (asserted >= 60 dB). Wall-clock rows mean something only on an idle machine; on a shared one
+audio (asserted >= 60 dB in float32). Wall-clock rows mean something only on an idle machine; on a shared one
 add ``--benchmark-timer time.process_time``.
 """
 
@@ -119,6 +122,8 @@ def code2wav_setup() -> dict[str, Any]:
         "fast": fast,
         "stream": stream_decoder,
         "stream_fast": stream_fast,
+        "stock_bf16": _in_bf16(copy.deepcopy(stock)),
+        "stream_fast_bf16": _in_bf16(_streaming(stock, fast=True, bf16=True)),
         "codes": codes,
         "want": stream(stock, codes),
         "work": work,
@@ -127,8 +132,16 @@ def code2wav_setup() -> dict[str, Any]:
     }
 
 
-def _streaming(stock: torch.nn.Module, fast: bool) -> torch.nn.Module:
-    """The streaming decoder with ``stock``'s weights (and the fast modules when ``fast``)."""
+def _in_bf16(decoder: torch.nn.Module) -> torch.nn.Module:
+    """``decoder`` cast as vllm-omni's stage casts it to its dtype (``.to``, then the SnakeBeta caches)."""
+    decoder.to(torch.bfloat16)
+    decoder.precompute_snake_caches()
+    return decoder
+
+
+def _streaming(stock: torch.nn.Module, fast: bool, bf16: bool = False) -> torch.nn.Module:
+    """The streaming decoder with ``stock``'s weights (and the fast modules when ``fast``), cast to
+    bfloat16 (when ``bf16``) before the fast modules pack their weights, as a bfloat16 stage loads."""
     from omni_cpu_fastpath.qwen3_tts.code2wav import make_fast_decoder
     from omni_cpu_fastpath.qwen3_tts.code2wav_stream import StreamingCodecDecoder
 
@@ -137,6 +150,8 @@ def _streaming(stock: torch.nn.Module, fast: bool) -> torch.nn.Module:
     decoder.precompute_snake_caches()
     decoder._initial_codec_chunk_frames = CHUNKS[0]
     decoder._incremental_chunk_frames = CHUNKS[1]
+    if bf16:
+        _in_bf16(decoder)
     if fast:
         make_fast_decoder(decoder)
     decoder.enable_streaming()
@@ -151,7 +166,11 @@ def snr_db(want: torch.Tensor, got: torch.Tensor) -> float:
 def _check_and_record(benchmark: Any, setup: dict[str, Any], name: str, wav: torch.Tensor) -> None:
     assert wav.shape == (1, FRAMES * 1920)
     snr = snr_db(setup["want"], wav)
-    if name != "stock":
+    if name.endswith("_bf16"):
+        # bf16's bound: no further from float32 stock than vllm-omni's own bf16 decode (3 dB).
+        reference = snr_db(setup["want"], stream(setup["stock_bf16"], setup["codes"]))
+        assert snr >= reference - 3.0, f"{name}: {snr:.1f} dB against stock, stock bf16 {reference:.1f} dB"
+    elif name != "stock":
         assert snr >= 60.0, f"{name}: {snr:.1f} dB against stock"
     _record(benchmark, setup, name)
     benchmark.extra_info["snr_db_vs_stock"] = snr
@@ -162,6 +181,7 @@ def _record(benchmark: Any, setup: dict[str, Any], name: str) -> None:
     if stats is None:  # --benchmark-disable: nothing was timed
         return
     flops, decoded_per_frame = setup["work"]["stream" if name.startswith("stream") else "stock"]
+    extra = {"dtype": "bfloat16" if name.endswith("_bf16") else "float32"}
     ms = stats.stats.min * 1e3 / FRAMES  # min: the machine is shared
     setup["session"][name] = ms
     benchmark.extra_info.update(
@@ -175,13 +195,14 @@ def _record(benchmark: Any, setup: dict[str, Any], name: str) -> None:
             "threads": torch.get_num_threads(),
             "load_1min": os.getloadavg()[0],
             "cpu": setup["cpu"],
+            **extra,
         }
     )
     if "stock" in setup["session"] and name != "stock":
         benchmark.extra_info["speedup_vs_stock"] = setup["session"]["stock"] / ms
 
 
-@pytest.mark.parametrize("name", ["stock", "fast", "stream", "stream_fast"])
+@pytest.mark.parametrize("name", ["stock", "fast", "stream", "stream_fast", "stock_bf16", "stream_fast_bf16"])
 def test_stream(benchmark: Any, code2wav_setup: dict[str, Any], name: str) -> None:
     wav = benchmark.pedantic(stream, args=(code2wav_setup[name], code2wav_setup["codes"]), rounds=3)
     _check_and_record(benchmark, code2wav_setup, name, wav)

@@ -199,6 +199,15 @@ FLAGS: dict[str, Flag] = {
             "code2wav: a later chunk runs the vocoder on its new frames only, from tails kept per request.",
         ),
         Flag(
+            "VLLM_OMNI_CODE2WAV_DTYPE",
+            "choice",
+            "float32",
+            "code2wav decoder's compute dtype (audio is returned in float32 either way). bfloat16: as "
+            "vllm-omni's own deploy config runs it on GPUs; auto: bfloat16 on CPUs with AVX512-BF16 or "
+            "AMX, float32 elsewhere (emulated bf16 is slow). Not with VLLM_OMNI_CPU_FASTPATH off.",
+            choices=("float32", "bfloat16", "auto"),
+        ),
+        Flag(
             "VLLM_OMNI_CODE2WAV_IDLE_MS",
             "int",
             "10",

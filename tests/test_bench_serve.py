@@ -198,6 +198,49 @@ def test_floor_rtf_adds_the_stage_floors_over_a_frame(tmp_path: Path) -> None:
     assert serve.floor_rtf(serve.stage_table(summary, 2, {"talker": 20.0, "predictor": 36.0})) is None
 
 
+def test_code2wav_floor_takes_the_peak_of_the_dtype_it_computes_in(tiny_model_dir: Path) -> None:
+    from omni_cpu_fastpath.bench.floor import code2wav_flops
+
+    decoder = json.loads((tiny_model_dir / "speech_tokenizer" / "config.json").read_text())["decoder_config"]
+    flops = code2wav_flops(decoder)
+    talker = {"model": "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker", "model.dtype": "bfloat16"}
+    peaks = {"float32": 100.0, "bfloat16": 400.0}  # GFLOP/s
+    for recorded, peak in (
+        ("bfloat16 (VLLM_OMNI_CODE2WAV_DTYPE=bfloat16)", 400.0),
+        ("float32 (VLLM_OMNI_CODE2WAV_DTYPE=float32)", 100.0),
+        (None, 100.0),  # the stock stage records no dtype: the CPU deploy config's float32
+    ):
+        code2wav = {"model": "omni_cpu_fastpath.qwen3_tts.code2wav.FastQwen3TTSCode2Wav"}
+        if recorded is not None:
+            code2wav["code2wav.dtype"] = recorded
+        floors, formats = serve.stage_floors(tiny_model_dir, {"1": talker, "2": code2wav}, 20.0, peaks, 1)
+        assert floors["code2wav"] == pytest.approx(flops / (peak * 1e9) * 1e3), recorded
+        assert formats["code2wav"] == ("float32" if peak == 100.0 else "bfloat16") + " FLOPs"
+
+
+def test_stock_row_serves_beside_fast_flags_exported_for_the_fast_row() -> None:
+    """Each fast-path setting exported for the fast row is refused beside the off switch; the stock
+    row's own values of them pass the same checks the server's start runs."""
+    from omni_cpu_fastpath import envs
+    from omni_cpu_fastpath.serving import deploy_config
+
+    exported = {
+        "VLLM_OMNI_TALKER_INT8": "w8-channel",
+        "VLLM_OMNI_TALKER_FP32_PREFILL": "on",
+        "VLLM_OMNI_TALKER_COMPILE": "vllm",
+        "VLLM_OMNI_CODE2WAV_DTYPE": "bfloat16",
+    }
+    assert set(serve.STOCK_ROW_FLAGS) == set(exported)
+    off = {"VLLM_OMNI_CPU_FASTPATH": "0"}
+    for name, value in exported.items():
+        with pytest.raises(envs.FlagError, match=f"{name}='{value}'"):
+            deploy_config.cpu_deploy_overlay("base.yaml", [0, 1], {**off, name: value})
+    stock = {**exported, "VLLM_OMNI_CPU_FASTPATH": "0", **serve.STOCK_ROW_FLAGS}
+    stages = deploy_config.cpu_deploy_overlay("base.yaml", [0, 1], stock)["stages"]
+    assert "quantization" not in stages[0] and stages[0]["enforce_eager"] is True
+    assert stages[1]["dtype"] == "float32"
+
+
 def test_talker_prefill_flops_by_hand() -> None:
     from omni_cpu_fastpath.bench.floor import talker_prefill_flops
     from omni_cpu_fastpath.testing.checkpoint import build_config

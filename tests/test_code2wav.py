@@ -32,24 +32,35 @@ def snr_db(reference: torch.Tensor, candidate: torch.Tensor) -> float:
     return float("inf") if noise == 0 else 10.0 * np.log10(signal / noise)
 
 
-def _build(model_dir: Path, cls: Any) -> Any:
+def _build(model_dir: Path, cls: Any, dtype: str = "float32") -> Any:
+    """The stage built as a worker builds it (the platform hook sets its dtype from
+    VLLM_OMNI_CODE2WAV_DTYPE, here ``dtype``; the environment is restored after)."""
     from omni_cpu_fastpath.testing.stock import _build_stock_stage
 
-    model, _ = _build_stock_stage(
-        model_dir, cls, "code2wav", "generation", torch.float32, "auto", arch="Qwen3TTSCode2Wav"
-    )
+    saved = os.environ.get("VLLM_OMNI_CODE2WAV_DTYPE")
+    try:
+        os.environ["VLLM_OMNI_CODE2WAV_DTYPE"] = dtype
+        model, _ = _build_stock_stage(
+            model_dir, cls, "code2wav", "generation", torch.float32, "auto", arch="Qwen3TTSCode2Wav"
+        )
+    finally:
+        if saved is None:
+            os.environ.pop("VLLM_OMNI_CODE2WAV_DTYPE", None)
+        else:
+            os.environ["VLLM_OMNI_CODE2WAV_DTYPE"] = saved
     return model
 
 
-def _build_with(model_dir: Path, fast: str, streaming: str) -> Any:
-    """``FastQwen3TTSCode2Wav`` built with these two flags (the environment is restored after)."""
+def _build_with(model_dir: Path, fast: str, streaming: str, dtype: str = "float32") -> Any:
+    """``FastQwen3TTSCode2Wav`` built with these flags (the environment is restored after);
+    ``dtype``: VLLM_OMNI_CODE2WAV_DTYPE."""
     from omni_cpu_fastpath.qwen3_tts.code2wav import FastQwen3TTSCode2Wav
 
     names = ("VLLM_OMNI_CODE2WAV_FAST", "VLLM_OMNI_CODE2WAV_STREAMING")
     saved = {name: os.environ.get(name) for name in names}
     try:
         os.environ.update(zip(names, (fast, streaming), strict=True))
-        return _build(model_dir, FastQwen3TTSCode2Wav)
+        return _build(model_dir, FastQwen3TTSCode2Wav, dtype)
     finally:
         for name, value in saved.items():
             if value is None:
@@ -60,14 +71,20 @@ def _build_with(model_dir: Path, fast: str, streaming: str) -> Any:
 
 @pytest.fixture(scope="module")
 def stages(tiny_model_dir: Path) -> dict[str, Any]:
-    """The stock stage; ours with the fast decoder, with no flag, and streaming."""
+    """The stock stage, at float32 and at bfloat16 (vllm-omni's GPU deploy dtype); ours with the
+    fast decoder, with no flag, streaming, and in bfloat16 (alone, and fast and streaming)."""
     from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav import Qwen3TTSCode2Wav
 
     stock = _build(tiny_model_dir, Qwen3TTSCode2Wav)
-    fast = _build_with(tiny_model_dir, "1", "0")
-    off = _build_with(tiny_model_dir, "0", "0")
-    stream = _build_with(tiny_model_dir, "0", "1")
-    built = {"stock": stock, "fast": fast, "off": off, "stream": stream}
+    built = {
+        "stock": stock,
+        "stock_bf16": _build(tiny_model_dir, Qwen3TTSCode2Wav, "bfloat16"),
+        "fast": _build_with(tiny_model_dir, "1", "0"),
+        "off": _build_with(tiny_model_dir, "0", "0"),
+        "stream": _build_with(tiny_model_dir, "0", "1"),
+        "bf16": _build_with(tiny_model_dir, "0", "0", "bfloat16"),
+        "bf16_fast_stream": _build_with(tiny_model_dir, "1", "1", "bfloat16"),
+    }
     # The random checkpoint leaves every SnakeBeta at alpha = beta = 0; give them distinct values
     # (the same in every stage) so the activations are exercised.
     g = torch.Generator().manual_seed(1)
@@ -370,6 +387,111 @@ def test_streaming_refuses_a_vocoder_it_does_not_know(stages: dict[str, Any]) ->
     assert not any(isinstance(m, StreamingCausalConv) for m in stage.decoder.modules())
     with pytest.raises(StreamingUnsupported):
         stage.decoder.enable_streaming()
+
+
+def test_bf16_decoder_is_vllm_omnis_stage_at_bf16(stages: dict[str, Any]) -> None:
+    """With VLLM_OMNI_CODE2WAV_DTYPE=bfloat16 (and the fast modules off) our stage computes what
+    vllm-omni's own stage computes at bfloat16 (its GPU deploy config's dtype): bit for bit, the
+    weights loaded at bfloat16, the audio returned in float32."""
+    ours, stock = stages["bf16"], stages["stock_bf16"]
+    assert ours.served_dtype == "bfloat16 (VLLM_OMNI_CODE2WAV_DTYPE=bfloat16)"
+    assert stages["off"].served_dtype == "float32 (VLLM_OMNI_CODE2WAV_DTYPE=float32)"
+    assert {p.dtype for p in ours.decoder.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in stock.decoder.parameters()} == {torch.bfloat16}
+    info = [{"meta": {"left_context_size": 5}}]
+    codes = _codes(40)
+    outs = [
+        stage(input_ids=codes.reshape(-1), runtime_additional_information=info).multimodal_outputs[
+            "model_outputs"
+        ][0]
+        for stage in (ours, stock)
+    ]
+    assert outs[0].dtype == outs[1].dtype == torch.float32
+    assert torch.equal(outs[0], outs[1])
+    codes = _codes(26, seed=2)
+    assert torch.equal(_stream(ours.decoder, codes, [1, 25]), _stream(stock.decoder, codes, [1, 25]))
+
+
+def test_bf16_fast_streaming_decoder_is_as_close_to_float32_as_vllm_omnis_bf16(
+    stages: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reduced precision's bound: bf16 keeps 8 significant bits, so no bf16 decode is bit-equal to
+    the float32 one; the fast, streaming decoder in bf16 must be no further from vllm-omni's
+    float32 stage than vllm-omni's own stage in bf16 (what its GPU deploy config serves) is, within
+    3 dB (noise twice as strong), on the async-chunk road of two batched requests."""
+    codes = {rid: _codes(sum(chunks), seed=20 + i) for i, (rid, chunks) in enumerate(SCHEDULE.items())}
+    names = ("stock", "stock_bf16", "bf16_fast_stream")
+    for name in names:
+        monkeypatch.setattr(stages[name], "_async_chunk", True)  # the CPU deploy config's mode
+    want, upstream, got = (_serve_chunks(stages[name], codes, SCHEDULE)[0] for name in names)
+    ours = stages["bf16_fast_stream"]
+    assert ours.served.startswith("fast decoder (")
+    assert ours.served_streaming.startswith("streaming vocoder (")
+    for rid in SCHEDULE:
+        assert got[rid].dtype == torch.float32
+        reference_db, ours_db = snr_db(want[rid], upstream[rid]), snr_db(want[rid], got[rid])
+        print(f"request {rid}: vs float32, vllm-omni's bf16 {reference_db:.1f} dB, ours {ours_db:.1f} dB")
+        assert reference_db >= 20.0  # a sanity floor for the reference itself
+        assert ours_db >= reference_db - 3.0
+
+
+def test_dtype_flag_on_both_roads_and_refused_by_name(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The deploy config writes the stage dtype the flag resolves to (auto: by the CPU's flags as
+    /proc/cpuinfo lists them); bad values, and any but float32 beside the fast path off (the stock
+    stage does not cast), are refused by name on both roads."""
+    from cpu_helpers import native_bf16_by_cpuinfo
+
+    from omni_cpu_fastpath.serving import deploy_config, stage_settings
+
+    talker, code2wav = stage_settings.QWEN3_TTS_STAGES
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    auto = "bfloat16" if native_bf16_by_cpuinfo() else "float32"
+    for flag, want in (("float32", "float32"), ("bfloat16", "bfloat16"), ("auto", auto)):
+        monkeypatch.setenv("VLLM_OMNI_CODE2WAV_DTYPE", flag)
+        overlay = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+        written = {s["stage_id"]: s for s in overlay["stages"]}
+        assert written[code2wav.stage_id]["dtype"] == want, flag
+        assert "dtype" not in written[talker.stage_id], flag
+        # The plain road: vllm-omni's deploy file says bfloat16; the platform hook sets the flag's
+        # dtype before the worker loads the weights.
+        assert _plain_code2wav_config(tiny_model_dir).model_config.dtype == getattr(torch, want), flag
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_DTYPE", "fp16")
+    with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_CODE2WAV_DTYPE='fp16'.*float32\|bfloat16\|auto"):
+        envs.validate_all()
+    with pytest.raises(envs.FlagError, match="VLLM_OMNI_CODE2WAV_DTYPE='fp16'"):
+        deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "0")
+    for flag in ("bfloat16", "auto"):
+        monkeypatch.setenv("VLLM_OMNI_CODE2WAV_DTYPE", flag)
+        refused = rf"VLLM_OMNI_CODE2WAV_DTYPE='{flag}'.*VLLM_OMNI_CPU_FASTPATH='0'"
+        with pytest.raises(envs.FlagError, match=refused):
+            deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+        # The plain road: the platform hook (vLLM's config validation wraps the error).
+        with pytest.raises(ValueError, match=refused):
+            _plain_code2wav_config(tiny_model_dir)
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_DTYPE", "float32")
+    written = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"][code2wav.stage_id]
+    assert written["dtype"] == "float32"
+    assert _plain_code2wav_config(tiny_model_dir).model_config.dtype == torch.float32
+
+
+def _plain_code2wav_config(model: Path) -> Any:
+    """The code2wav stage's config as a plain ``vllm serve MODEL --omni`` builds it from vllm-omni's
+    deploy file (stage dtype bfloat16), the platform hook applied."""
+    from vllm_omni.engine.arg_utils import OmniEngineArgs
+
+    return OmniEngineArgs(
+        model=str(model),
+        dtype="bfloat16",
+        stage_id=1,
+        model_stage="code2wav",
+        model_arch="Qwen3TTSCode2Wav",
+        worker_type="generation",
+        trust_remote_code=True,
+        max_model_len=512,
+    ).create_engine_config()
 
 
 def test_flag_refuses_a_bad_value_by_name(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -166,6 +166,7 @@ def test_platform_hook_and_deploy_config_give_each_stage_the_same_settings(
             model_arch=written["model_arch"],
             worker_type=stage.worker_type,
             use_v2_model_runner=True,
+            dtype="bfloat16",  # vllm-omni's deploy file gives code2wav bfloat16
             trust_remote_code=True,
             max_model_len=512,
         ).create_engine_config()
@@ -173,6 +174,10 @@ def test_platform_hook_and_deploy_config_give_each_stage_the_same_settings(
         assert hooked == written["kv_cache_memory_bytes"], stage.model_stage
         assert config.model_config.use_v2_model_runner is written["use_v2_model_runner"] is False
         assert config.model_config.enforce_eager is written["enforce_eager"] is True
+        if "dtype" in written:  # code2wav's, whatever the engine arguments said
+            import torch
+
+            assert config.model_config.dtype == getattr(torch, written["dtype"]), stage.model_stage
         budgets.add(hooked)
     # The stages' budgets differ, so the check above tells one stage's row from another's.
     assert len(budgets) == len(stages)

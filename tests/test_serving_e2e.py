@@ -2,7 +2,7 @@
 
 One server for the whole module (starting one takes minutes on 2 cores), run the way
 ``omni-cpu-fastpath serve`` runs it, with the fast path on (default flags: the int8 predictor,
-CpuSampler; and code2wav's streaming vocoder) and step stats recorded, codes included.
+CpuSampler; and code2wav's streaming vocoder in bf16) and step stats recorded, codes included.
 References: the checkpoint's own config (sample rate, frame rate), the same request served alone,
 the codes the runner recorded, the server's own HTTP answers and metrics, and the in-situ parity of
 the int8 predictor against its fp32 copy. Requests are what a real client sends, bad ones and
@@ -45,6 +45,8 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
         "VLLM_OMNI_STEP_STATS_CODES": "1",
         # code2wav streams its vocoder: every request here runs through it.
         "VLLM_OMNI_CODE2WAV_STREAMING": "1",
+        # ... in bf16 (the stage's dtype in the deploy config then).
+        "VLLM_OMNI_CODE2WAV_DTYPE": "bfloat16",
         # Where code2wav shares the talker's cores: the talker steps down while it decodes, and
         # the stage workers' OpenMP threads sleep at once after a parallel region.
         "VLLM_OMNI_CORE_SHARING": "1",
@@ -473,6 +475,7 @@ def test_served_path_records_the_model_timers_and_components(server):
     # The code2wav stage streamed its vocoder: it ran over exactly the frames it returned.
     (code2wav,) = [c for c in step_stats.served_dir(stats_dir).values() if "code2wav.streaming" in c]
     assert code2wav["code2wav.streaming"].startswith("streaming vocoder ("), code2wav
+    assert code2wav["code2wav.dtype"] == "bfloat16 (VLLM_OMNI_CODE2WAV_DTYPE=bfloat16)", code2wav
     c2w = [ln["values"] for ln in lines if "code2wav.frames_emitted" in ln["values"]]
     emitted = sum(sum(v["code2wav.frames_emitted"]) for v in c2w)
     assert emitted > 0 and sum(sum(v["code2wav.frames_decoded"]) for v in c2w) == emitted

@@ -227,13 +227,19 @@ class Peak:
 
 
 def measure_fp32_peak(repeats: int = 5) -> Peak:
-    """fp32 GFLOP/s of this process (current torch threads): a square matmul and a codec-like
-    conv1d (384 channels, kernel 7, 640 steps), the best of each; the peak is the better one."""
+    """fp32 GFLOP/s of this process: :func:`measure_peak` in float32."""
+    return measure_peak(torch.float32, repeats)
+
+
+def measure_peak(dtype: torch.dtype, repeats: int = 5) -> Peak:
+    """GFLOP/s of this process (current torch threads) at ``dtype``: a square matmul and a
+    codec-like conv1d (384 channels, kernel 7, 640 steps), the best of each; the peak is the
+    better one."""
     results: dict[str, float] = {}
     with torch.inference_mode():
-        a, b = torch.rand(1024, 1024), torch.rand(1024, 1024)
+        a, b = torch.rand(1024, 1024, dtype=dtype), torch.rand(1024, 1024, dtype=dtype)
         results["matmul_1024"] = 2 * 1024**3 / _best_time(lambda: a @ b, repeats) / 1e9
-        x, w = torch.rand(1, 384, 646), torch.rand(384, 384, 7)
+        x, w = torch.rand(1, 384, 646, dtype=dtype), torch.rand(384, 384, 7, dtype=dtype)
         flops = 2 * 384 * 384 * 7 * 640
         results["conv1d_384x7"] = flops / _best_time(lambda: F.conv1d(x, w), repeats) / 1e9
     kernel = max(results, key=results.__getitem__)

@@ -16,7 +16,8 @@ time outside those three: scheduling, input preparation, hand-off), and code2wav
 process, beside the talker), each as a share of the 80 ms a frame lasts and beside its floor:
 weight reads at the served dtype over the read bandwidth (talker, predictor; weights are read
 once per step for all rows, so at ``--concurrency N`` the floor per frame is 1/N of a step's),
-codec FLOPs over the fp32 matmul/conv peak (code2wav), both measured in this process first.
+codec FLOPs over the matmul/conv peak of the dtype code2wav computes in (fp32 or bf16), all measured
+in this process first.
 
 Time to first audio is given twice: ``ttfa_ms`` as this client read it, and ``server_ttfa_ms`` as
 the API server sent it (``http.first_body_ms`` of ``serving/stream_timing.py``), medians over the
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -199,7 +201,7 @@ def format_stage_table(rows: list[dict[str, Any]]) -> str:
 # --- floors ------------------------------------------------------------------------------------
 
 
-def _talker_process(served: dict[str, dict[str, str]], what: str) -> dict[str, str]:
+def _process_of(served: dict[str, dict[str, str]], what: str) -> dict[str, str]:
     for components in served.values():
         if what in components.get("model", "").lower():
             return components
@@ -207,13 +209,19 @@ def _talker_process(served: dict[str, dict[str, str]], what: str) -> dict[str, s
 
 
 def stage_floors(
-    model: Path, served: dict[str, dict[str, str]], bandwidth_gbs: float, peak_gflops: float, rows: int
+    model: Path,
+    served: dict[str, dict[str, str]],
+    bandwidth_gbs: float,
+    peak_gflops: Mapping[str, float],
+    rows: int,
 ) -> tuple[dict[str, float], dict[str, str]]:
     """Floor ms per frame of each stage, and the weight format each floor assumed.
 
     Weights at the dtype the server recorded (``model.dtype``; the predictor int8 where
     ``predictor.int8`` names a variant, the talker int8 where ``talker.int8`` does, its codec head
-    counted at int8 too; the few fp32 outlier columns are not counted).
+    counted at int8 too; the few fp32 outlier columns are not counted). code2wav's FLOPs over the
+    peak (``peak_gflops``, by dtype name) of the dtype its decoder computes in (``code2wav.dtype``;
+    float32 where the stage recorded none, as the stock one does).
     """
     from .floor import (
         BYTES_PER_DTYPE,
@@ -224,11 +232,12 @@ def stage_floors(
 
     config = json.loads((model / "config.json").read_text())
     decoder = json.loads((model / "speech_tokenizer" / "config.json").read_text())["decoder_config"]
-    talker = _talker_process(served, "talker")
+    talker = _process_of(served, "talker")
     talker_dtype = talker.get("model.dtype", "bfloat16")
     int8 = talker.get("predictor.int8", "off")
     predictor_dtype = talker_dtype if int8.startswith("off") else "int8"
     decoder_dtype = talker_dtype if talker.get("talker.int8", "off").startswith("off") else "int8"
+    code2wav_dtype = _process_of(served, "code2wav").get("code2wav.dtype", "float32").split()[0]
     bytes_per_s = bandwidth_gbs * 1e9
     floors = {
         "talker": talker_params_per_step(config) * BYTES_PER_DTYPE[decoder_dtype] / bytes_per_s * 1e3 / rows,
@@ -237,9 +246,9 @@ def stage_floors(
         / bytes_per_s
         * 1e3
         / rows,
-        "code2wav": code2wav_flops(decoder) / (peak_gflops * 1e9) * 1e3,
+        "code2wav": code2wav_flops(decoder) / (peak_gflops[code2wav_dtype] * 1e9) * 1e3,
     }
-    formats = {"talker": decoder_dtype, "predictor": predictor_dtype, "code2wav": "fp32 FLOPs"}
+    formats = {"talker": decoder_dtype, "predictor": predictor_dtype, "code2wav": f"{code2wav_dtype} FLOPs"}
     return floors, formats
 
 
@@ -290,6 +299,15 @@ def samples_per_frame(model: Path) -> int:
     return int(st.get("decode_upsample_rate") or commands.sample_rate_of(model) * 2 // 25)
 
 
+# The fast path's flags that its off switch refuses when set to anything else.
+STOCK_ROW_FLAGS = {
+    "VLLM_OMNI_TALKER_INT8": "off",
+    "VLLM_OMNI_TALKER_FP32_PREFILL": "auto",
+    "VLLM_OMNI_TALKER_COMPILE": "off",
+    "VLLM_OMNI_CODE2WAV_DTYPE": "float32",
+}
+
+
 def bench_impl(
     model: Path, impl: str, requests: int, frames: int, workdir: Path, concurrency: int = 1
 ) -> dict[str, Any]:
@@ -301,9 +319,9 @@ def bench_impl(
     if impl == "fast":
         env.update(commands.serve_defaults())  # what `serve` serves
     else:
-        # Stock is the fast path's off switch, which refuses a talker int8 scheme set beside it
-        # (say, exported for the fast row).
-        env["VLLM_OMNI_TALKER_INT8"] = "off"
+        # Stock is the fast path's off switch, which refuses the fast path's own settings beside
+        # it (say, exported for the fast row): their defaults here.
+        env.update(STOCK_ROW_FLAGS)
     sr = commands.sample_rate_of(model)
     t0 = time.monotonic()
     log = workdir / f"server-{impl}.log"
@@ -378,9 +396,11 @@ def _counters(summary: dict[str, dict[str, float]]) -> dict[str, dict[str, float
 
 
 def cli(args: argparse.Namespace) -> int:
+    import torch
+
     from omni_cpu_fastpath.testing.checkpoint import make_model
 
-    from .floor import cpu_name, measure_bandwidth, measure_fp32_peak
+    from .floor import cpu_name, measure_bandwidth, measure_peak
 
     concurrency = int(getattr(args, "concurrency", 1))
     try:
@@ -388,7 +408,9 @@ def cli(args: argparse.Namespace) -> int:
     except BenchServeError as exc:
         raise SystemExit(f"omni-cpu-fastpath bench serve: {exc}") from None
     # The floors' probes run before any server, on an otherwise idle process.
-    bandwidth, peak = measure_bandwidth(), measure_fp32_peak()
+    bandwidth = measure_bandwidth()
+    peaks = {name: measure_peak(getattr(torch, name)) for name in ("float32", "bfloat16")}
+    peak = peaks["float32"]
     cpu = cpu_name()
     frames = FRAMES[args.dims]
     with tempfile.TemporaryDirectory(prefix="omni-bench-serve-") as tmp:
@@ -398,7 +420,11 @@ def cli(args: argparse.Namespace) -> int:
         config = json.loads((model / "config.json").read_text())
         for r in rows:
             floors, formats = stage_floors(
-                model, r["served"], bandwidth.best_gbs, peak.best_gflops, concurrency
+                model,
+                r["served"],
+                bandwidth.best_gbs,
+                {name: p.best_gflops for name, p in peaks.items()},
+                concurrency,
             )
             r["stages"] = stage_table(r["summary"], r["audio_frames"], floors)
             r["floor_formats"] = formats
@@ -420,6 +446,7 @@ def cli(args: argparse.Namespace) -> int:
                 bandwidth_gbs=bandwidth.best_gbs,
                 peak_fp32_gflops=peak.best_gflops,
                 peak_kernel=peak.kernel,
+                peak_bf16_gflops=peaks["bfloat16"].best_gflops,
             )
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -430,7 +457,8 @@ def cli(args: argparse.Namespace) -> int:
     )
     print(
         f"floors: read bandwidth {bandwidth.best_gbs:.1f} GB/s ({bandwidth.kernel}), fp32 peak "
-        f"{peak.best_gflops:.1f} GFLOP/s ({peak.kernel})"
+        f"{peak.best_gflops:.1f} GFLOP/s ({peak.kernel}), bf16 peak {peaks['bfloat16'].best_gflops:.1f} "
+        f"GFLOP/s ({peaks['bfloat16'].kernel})"
     )
     head = ("rtf", "rtf_floor", "ttfa_ms", "sent_ms", "ttfa_floor", "prompt", "audio_s", "startup_s")
     print(f"{'impl':<6} " + " ".join(f"{h:>10}" for h in head))

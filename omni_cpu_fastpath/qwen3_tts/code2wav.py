@@ -18,13 +18,16 @@ per-request decoder state, chunking) is the stock one; what changes:
   speed on AVX2 cores; the products run at GEMM speed. Parameter names are kept, so loading is
   unchanged.
 
+- VLLM_OMNI_CODE2WAV_DTYPE (float32 by default) is the stage's dtype (the deploy config and the
+  platform hook set it), so the stock decoder loads and computes in it; recorded here.
+
 - VLLM_OMNI_CODE2WAV_STREAMING (off by default), on CPU: the decoder is our
   ``StreamingCodecDecoder`` (``code2wav_stream.py``), whose later chunks run the vocoder over their
   new frames only, from the causal convolutions' input tails kept in the request's state, instead
   of decoding 12 frames of left context again.
 
-What serves is logged at load and recorded with ``step_stats.served("code2wav", ...)`` and
-``step_stats.served("code2wav.streaming", ...)``; a part that cannot be built leaves the stock
+What serves is logged at load and recorded with ``step_stats.served`` as ``code2wav``,
+``code2wav.streaming`` and ``code2wav.dtype``; a part that cannot be built leaves the stock
 module in place, with the reason.
 """
 
@@ -43,6 +46,7 @@ from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.modeling_qwen3_tts
 
 from omni_cpu_fastpath import envs, step_stats
 from omni_cpu_fastpath.errors import describe
+from omni_cpu_fastpath.serving.stage_settings import cpu_has_native_bf16
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
@@ -185,6 +189,10 @@ def make_fast_decoder(decoder: nn.Module) -> list[str]:
     return [f"{kind} x{n}" for kind, n in counts.items()]
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def _frame_rate_module(decoder: nn.Module) -> nn.Module:
     """The first module of the vocoder part: its input has one column per codec frame."""
     upsample = getattr(decoder, "upsample", None)
@@ -215,6 +223,7 @@ class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
         self._transformer_frames = 0
         self.served = ""
         self.served_streaming = ""
+        self.served_dtype = ""
 
     def load_weights(self, weights: Any) -> set[str]:
         loaded = super().load_weights(weights)
@@ -225,6 +234,9 @@ class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
         if self._prepared:
             return
         self._prepared = True
+        self.served_dtype = self._describe_dtype()
+        step_stats.served("code2wav.dtype", self.served_dtype)
+        logger.info("omni-cpu-fastpath: code2wav decodes in %s", self.served_dtype)
         if not envs.get("VLLM_OMNI_CODE2WAV_FAST"):
             served = "stock decoder (VLLM_OMNI_CODE2WAV_FAST off)"
         elif not self._on_cpu:
@@ -245,6 +257,18 @@ class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
         self.served = served
         step_stats.served("code2wav", served)
         logger.info("omni-cpu-fastpath: FastQwen3TTSCode2Wav serves: %s", served)
+
+    def _describe_dtype(self) -> str:
+        """What the decoder computes in (the stage's dtype, which the platform hook and the CPU
+        deploy config set from VLLM_OMNI_CODE2WAV_DTYPE before the weights load), and why."""
+        current = _dtype_name(next(self.decoder.parameters()).dtype)
+        if not self._on_cpu:
+            return f"{current} (the stage's dtype: not on CPU)"
+        asked = envs.raw("VLLM_OMNI_CODE2WAV_DTYPE")
+        why = f"VLLM_OMNI_CODE2WAV_DTYPE={asked}"
+        if asked == "auto":
+            why += ": this CPU " + ("multiplies bf16 natively" if cpu_has_native_bf16() else "emulates bf16")
+        return f"{current} ({why})"
 
     def _enable_streaming(self) -> str:
         """Turn on the streaming vocoder (after any module swap); what serves the chunks, and why."""

@@ -22,6 +22,7 @@ from .stage_settings import (
     cpu_stage_envs,
     kv_space_from_env,
     stage_compiles,
+    stage_dtype,
     stage_quantization,
 )
 
@@ -50,8 +51,9 @@ def _stage_overlay(
     if settings.max_model_len is not None:
         stage["max_model_len"] = settings.max_model_len
     stage["async_scheduling"] = settings.async_scheduling
-    if settings.dtype is not None:
-        stage["dtype"] = settings.dtype
+    dtype = stage_dtype(settings, environ)
+    if dtype is not None:
+        stage["dtype"] = dtype
     quantization = stage_quantization(settings, environ)
     if quantization is not None:
         # A stage-level key goes to that stage's engine args only (vllm-omni's top-level

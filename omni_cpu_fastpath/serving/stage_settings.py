@@ -61,6 +61,9 @@ class StageSettings:
     max_model_len: int | None = None
     # Deploy-config-only: the model's dtype is resolved while the config is built.
     dtype: str | None = None
+    # Whether VLLM_OMNI_CODE2WAV_DTYPE sets this stage's dtype (deploy config; on the plain road the
+    # fast code2wav casts its decoder, see :func:`code2wav_dtype`).
+    dtype_from_flag: bool = False
     enforce_eager: bool = True
     # Deploy-config-only: vllm-omni picks the stage's scheduler class before the config exists.
     async_scheduling: bool = False
@@ -92,8 +95,10 @@ QWEN3_TTS_STAGES: tuple[StageSettings, ...] = (
         model_stage="code2wav",
         kv_cache_memory_bytes=64 << 20,
         max_num_seqs=8,
-        # CPU kernels for bf16 convolutions are not faster everywhere; fp32 is exact.
+        # fp32 unless VLLM_OMNI_CODE2WAV_DTYPE asks otherwise: bf16 convolutions are fast only on
+        # CPUs that multiply bf16 natively, and bf16 is not the exact decode.
         dtype="float32",
+        dtype_from_flag=True,
         spare_core=True,
     ),
 )
@@ -188,6 +193,37 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
                 f"would keep one of them; set {name}=off, or VLLM_OMNI_TALKER_COMPILE=off"
             )
     return True
+
+
+def stage_dtype(settings: StageSettings | None, environ: Mapping[str, str] | None = None) -> str | None:
+    """The dtype the deploy config writes for a stage: the table's, or VLLM_OMNI_CODE2WAV_DTYPE's."""
+    if settings is None or not settings.dtype_from_flag:
+        return None if settings is None else settings.dtype
+    return code2wav_dtype(environ)
+
+
+def code2wav_dtype(environ: Mapping[str, str] | None = None) -> str:
+    """The code2wav decoder's compute dtype VLLM_OMNI_CODE2WAV_DTYPE asks for here (``auto``:
+    bfloat16 where this CPU multiplies bf16 natively, else float32).
+
+    The flag is the fast code2wav's (which casts its decoder where the stage's dtype differs, as on
+    a plain ``vllm serve --omni`` with vllm-omni's bfloat16 deploy config): beside
+    VLLM_OMNI_CPU_FASTPATH off a value other than float32 is refused, naming both variables.
+    """
+    environ = os.environ if environ is None else environ
+    setting = envs.get("VLLM_OMNI_CODE2WAV_DTYPE", environ)
+    if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
+        if setting != "float32" and environ.get("VLLM_OMNI_CODE2WAV_DTYPE") is not None:
+            master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
+            raise envs.FlagError(
+                f"VLLM_OMNI_CODE2WAV_DTYPE={environ['VLLM_OMNI_CODE2WAV_DTYPE']!r} needs the fast path, "
+                f"but {master} turns it off (the stock code2wav serves at the stage's dtype): set "
+                "VLLM_OMNI_CODE2WAV_DTYPE=float32 (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
+            )
+        return "float32"
+    if setting == "auto":
+        return "bfloat16" if cpu_has_native_bf16() else "float32"
+    return setting
 
 
 def fp32_prefill(environ: Mapping[str, str] | None = None) -> bool:
