@@ -308,6 +308,32 @@ def test_compiled_equals_eager(tiny: dict, compiled: CachedCodePredictor) -> Non
 
 
 @pytest.mark.slow
+def test_compiled_step_serves_under_another_thread_count(tiny: dict, compiled: CachedCodePredictor) -> None:
+    """The talker's step-down (VLLM_OMNI_CORE_SHARING) calls the predictor with one torch thread
+    while code2wav decodes. Dynamo guards the thread count a step was compiled at: the call runs at
+    that count (restored after) and the step stays compiled, rather than failing its guards and
+    dropping every bucket to eager."""
+    from omni_cpu_fastpath.cpu_threads import set_torch_threads
+
+    warmed = compiled.compiler.compiled_threads
+    assert warmed >= 1
+    other = 1 if warmed > 1 else 2
+    one = {k: v[1:2] for k, v in tiny["inp"].items()}
+    want, want_logits = tiny["cached"].forward_cached(**one, do_sample=False, return_logits=True)
+    prev = torch.get_num_threads()
+    set_torch_threads(other)
+    try:
+        got, logits = compiled.forward_cached(**one, do_sample=False, return_logits=True)
+        assert torch.get_num_threads() == other
+    finally:
+        set_torch_threads(prev)
+    assert compiled.compile_mode == "step", compiled.compile_status
+    assert "dropped" not in compiled.compile_status, compiled.compile_status
+    assert torch.equal(got, want)
+    assert float((logits - want_logits).abs().max()) < 1e-5
+
+
+@pytest.mark.slow
 def test_compiled_beyond_largest_bucket_runs_eager(tiny: dict, compiled: CachedCodePredictor) -> None:
     inp = _inputs(tiny["dir"], 5, seed=9)
     assert torch.equal(compiled(**inp, do_sample=False), tiny["stock"](**inp, do_sample=False))

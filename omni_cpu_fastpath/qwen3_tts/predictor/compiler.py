@@ -153,6 +153,8 @@ class StepCompiler:
         self.cache_misses = 0
         self.status = "off" if mode == "off" else "step (not compiled yet)"
         self._generation = 0
+        # torch's thread count the steps were compiled at (0: none yet); see calling().
+        self.compiled_threads = 0
 
     def thread_cap(self) -> ThreadCap:
         return ThreadCap(self.threads)
@@ -163,9 +165,14 @@ class StepCompiler:
 
     @contextlib.contextmanager
     def calling(self) -> Iterator[None]:
-        """The state a compiled call runs under; past warm-up, a call that would compile fails."""
+        """The state a compiled call runs under; past warm-up, a call that would compile fails.
+
+        Dynamo guards on torch's thread count, so a call under another count than the warm-up's
+        (the talker's step-down while code2wav decodes) would fail its guards: it runs at the
+        warm-up's count, restored after.
+        """
         stance = "default" if self.may_compile else "fail_on_recompile"
-        with compiled_call_state(), torch.compiler.set_stance(stance):
+        with ThreadCap(self.compiled_threads), compiled_call_state(), torch.compiler.set_stance(stance):
             yield
 
     def invalidate(self, recompile: bool) -> None:
@@ -325,6 +332,7 @@ class StepCompiler:
                 cache_key_state(),
                 self.thread_cap(),
             ):
+                self.compiled_threads = torch.get_num_threads()
                 self.predictor.warm(bucket)
                 self.may_compile = False
                 if up_to is not None:
