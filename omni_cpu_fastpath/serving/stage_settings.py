@@ -61,8 +61,8 @@ class StageSettings:
     max_model_len: int | None = None
     # Deploy-config-only: the model's dtype is resolved while the config is built.
     dtype: str | None = None
-    # Whether VLLM_OMNI_CODE2WAV_DTYPE sets this stage's dtype (deploy config; on the plain road the
-    # fast code2wav casts its decoder, see :func:`code2wav_dtype`).
+    # Whether VLLM_OMNI_CODE2WAV_DTYPE sets this stage's dtype instead (the deploy config, and the
+    # platform hook on a plain ``vllm serve --omni``, before the weights load).
     dtype_from_flag: bool = False
     enforce_eager: bool = True
     # Deploy-config-only: vllm-omni picks the stage's scheduler class before the config exists.
@@ -206,9 +206,8 @@ def code2wav_dtype(environ: Mapping[str, str] | None = None) -> str:
     """The code2wav decoder's compute dtype VLLM_OMNI_CODE2WAV_DTYPE asks for here (``auto``:
     bfloat16 where this CPU multiplies bf16 natively, else float32).
 
-    The flag is the fast code2wav's (which casts its decoder where the stage's dtype differs, as on
-    a plain ``vllm serve --omni`` with vllm-omni's bfloat16 deploy config): beside
-    VLLM_OMNI_CPU_FASTPATH off a value other than float32 is refused, naming both variables.
+    Part of the fast path: beside VLLM_OMNI_CPU_FASTPATH off (float32, the exact decode) a value
+    other than float32 is refused, naming both variables.
     """
     environ = os.environ if environ is None else environ
     setting = envs.get("VLLM_OMNI_CODE2WAV_DTYPE", environ)

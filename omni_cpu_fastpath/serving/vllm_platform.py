@@ -5,7 +5,8 @@ Returned by ``omni_cpu_fastpath.serving.plugins.cpu_vllm_platform`` (entry-point
 ``check_and_update_config`` on every ``VllmConfig`` it builds, in every process, which is the one
 place an out-of-tree package sees each stage's config before its scheduler and workers are made.
 It also names :mod:`omni_cpu_fastpath.serving.generation_scheduler`'s paced scheduler for a stage
-that would run vllm-omni's generation scheduler (code2wav). For configs that are not vllm-omni
+that would run vllm-omni's generation scheduler (code2wav), and sets code2wav's dtype from the
+same table (VLLM_OMNI_CODE2WAV_DTYPE) before its worker loads the weights. For configs that are not vllm-omni
 stages it is exactly vLLM's ``CpuPlatform``. The KV budget it
 gives a stage comes from the table of ``omni_cpu_fastpath.serving.stage_settings``, which the CPU
 deploy config of ``omni-cpu-fastpath serve`` reads too.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
 from vllm.platforms.cpu import CpuPlatform
 
 from omni_cpu_fastpath import envs
@@ -88,8 +90,6 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
     settings = stage_settings(model_config)
     dtype = stage_dtype(settings)  # refuses, by name, a code2wav dtype the stock stage would not serve
     if settings is not None and settings.dtype_from_flag and dtype is not None:
-        import torch
-
         if model_config.dtype != getattr(torch, dtype):
             # Set before the worker loads the weights, so they load at this dtype (a cast after
             # loading from bf16 would keep bf16's rounding in a float32 decoder).
