@@ -226,11 +226,6 @@ class Peak:
     per_kernel_gflops: dict[str, float]
 
 
-def measure_fp32_peak(repeats: int = 5) -> Peak:
-    """fp32 GFLOP/s of this process: :func:`measure_peak` in float32."""
-    return measure_peak(torch.float32, repeats)
-
-
 def measure_peak(dtype: torch.dtype, repeats: int = 5) -> Peak:
     """GFLOP/s of this process (current torch threads) at ``dtype``: a square matmul and a
     codec-like conv1d (384 channels, kernel 7, 640 steps), the best of each; the peak is the

@@ -189,10 +189,6 @@ def make_fast_decoder(decoder: nn.Module) -> list[str]:
     return [f"{kind} x{n}" for kind, n in counts.items()]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _frame_rate_module(decoder: nn.Module) -> nn.Module:
     """The first module of the vocoder part: its input has one column per codec frame."""
     upsample = getattr(decoder, "upsample", None)
@@ -261,7 +257,7 @@ class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
     def _describe_dtype(self) -> str:
         """What the decoder computes in (the stage's dtype, which the platform hook and the CPU
         deploy config set from VLLM_OMNI_CODE2WAV_DTYPE before the weights load), and why."""
-        current = _dtype_name(next(self.decoder.parameters()).dtype)
+        current = str(next(self.decoder.parameters()).dtype).removeprefix("torch.")
         if not self._on_cpu:
             return f"{current} (the stage's dtype: not on CPU)"
         asked = envs.raw("VLLM_OMNI_CODE2WAV_DTYPE")

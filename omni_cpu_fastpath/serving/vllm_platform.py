@@ -87,14 +87,13 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
         model_config.quantization = quantization
         vllm_config.quant_config = register()[quantization]()
         changes.append(f"decoder linears by {quantization}")
-    settings = stage_settings(model_config)
-    dtype = stage_dtype(settings)  # refuses, by name, a code2wav dtype the stock stage would not serve
-    if settings is not None and settings.dtype_from_flag and dtype is not None:
-        if model_config.dtype != getattr(torch, dtype):
-            # Set before the worker loads the weights, so they load at this dtype (a cast after
-            # loading from bf16 would keep bf16's rounding in a float32 decoder).
-            changes.append(f"decoder in {dtype}, not {model_config.dtype} (VLLM_OMNI_CODE2WAV_DTYPE)")
-            model_config.dtype = getattr(torch, dtype)
+    # The table's dtype (code2wav's: VLLM_OMNI_CODE2WAV_DTYPE, refused by name beside the fast path
+    # off), set before the worker loads the weights, so they load at it: a cast after loading from
+    # bf16 would keep bf16's rounding in a float32 decoder.
+    dtype = stage_dtype(stage_settings(model_config))
+    if dtype is not None and model_config.dtype != getattr(torch, dtype):
+        changes.append(f"dtype {dtype}, not {model_config.dtype} (stage table, VLLM_OMNI_CODE2WAV_DTYPE)")
+        model_config.dtype = getattr(torch, dtype)
     idle_ms = envs.get("VLLM_OMNI_CODE2WAV_IDLE_MS")
     scheduler_config = vllm_config.scheduler_config
     if idle_ms > 0 and _qualname(scheduler_config.scheduler_cls) == STOCK_GENERATION_SCHEDULER:
