@@ -53,7 +53,7 @@ SCRIPT = textwrap.dedent(
     # initialised platforms resolved, so that the snapshot holds their settled state.
     for m in [
         "vllm", "vllm_omni", "vllm.platforms.cpu", "vllm.v1.worker.cpu_worker",
-        "vllm.v1.worker.cpu_model_runner", "vllm.v1.sample.sampler",
+        "vllm.v1.worker.cpu_model_runner", "vllm.v1.sample.sampler", "vllm.v1.executor.uniproc_executor",
         "vllm_omni.worker.gpu_ar_model_runner", "vllm_omni.worker.gpu_generation_model_runner",
         "vllm_omni.worker.mixins", "vllm_omni.model_executor.models.registry",
         "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker", "vllm_omni.config.pipeline_registry",
@@ -104,6 +104,7 @@ SCRIPT = textwrap.dedent(
     for qual in (p.get_omni_ar_worker_cls(), p.get_omni_generation_worker_cls()):
         resolve_obj_by_qualname(qual)
     deploy_config.cpu_deploy_config_path()
+    resolve_obj_by_qualname(stage_settings.IN_PROCESS_EXECUTOR)
 
     # Spark-X2.5's vllm.general_plugins entry point, twice, and what it registered resolved.
     from importlib.metadata import entry_points

@@ -188,6 +188,9 @@ def test_platform_hook_and_deploy_config_give_each_stage_the_same_settings(
 
 def test_cpu_stage_envs_split_the_cores(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    # Worker processes: vLLM's multiprocessing executor binds their OpenMP threads itself.
+    monkeypatch.setenv("VLLM_OMNI_CPU_EXECUTOR", "mp")
+    mp = {"VLLM_OMNI_CPU_EXECUTOR": "mp"}
     talker, code2wav = stage_settings.cpu_stage_envs([0, 1])
     # Two CPUs: code2wav's thread runs on the talker's cores, and both stages know it.
     assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1", "VLLM_OMNI_SHARED_CORES": "1"}
@@ -201,20 +204,106 @@ def test_cpu_stage_envs_split_the_cores(monkeypatch):
     assert code2wav == {"VLLM_CPU_OMP_THREADS_BIND": "7"}
     # With the talker's step-down on, its attention keeps each KV cache whole (unless the user
     # says otherwise), so that a step sums in the same order at either thread count.
-    talker, code2wav = stage_settings.cpu_stage_envs([0, 1], {"VLLM_OMNI_CORE_SHARING": "1"})
+    talker, code2wav = stage_settings.cpu_stage_envs([0, 1], {"VLLM_OMNI_CORE_SHARING": "1", **mp})
     assert talker == {
         "VLLM_CPU_OMP_THREADS_BIND": "0,1",
         "VLLM_OMNI_SHARED_CORES": "1",
         "VLLM_CPU_ATTN_SPLIT_KV": "0",
     }
     assert "VLLM_CPU_ATTN_SPLIT_KV" not in code2wav
-    user = {"VLLM_OMNI_CORE_SHARING": "1", "VLLM_CPU_ATTN_SPLIT_KV": "1"}
+    user = {"VLLM_OMNI_CORE_SHARING": "1", "VLLM_CPU_ATTN_SPLIT_KV": "1", **mp}
     talker, _ = stage_settings.cpu_stage_envs([0, 1], user)
     assert "VLLM_CPU_ATTN_SPLIT_KV" not in talker
-    talker, _ = stage_settings.cpu_stage_envs(list(range(8)), {"VLLM_OMNI_CORE_SHARING": "1"})
+    talker, _ = stage_settings.cpu_stage_envs(list(range(8)), {"VLLM_OMNI_CORE_SHARING": "1", **mp})
     assert talker == {"VLLM_CPU_OMP_THREADS_BIND": "0,1,2,3,4,5,6"}  # no shared cores, no step-down
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1|")
     assert stage_settings.cpu_stage_envs([0, 1]) == ({}, {})
+
+
+IOMP_BINDING = {"KMP_BLOCKTIME": "5", "KMP_TPAUSE": "0"}  # as vLLM's multiprocessing executor sets them
+
+
+def test_in_process_stages_carry_the_openmp_binding_a_worker_would_get(monkeypatch):
+    """``uni`` (the default): no executor spawns a worker with the binding, so each stage's
+    environment carries what vLLM's multiprocessing executor gives its worker, for the OpenMP
+    runtime the server preloads."""
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_OMNI_CPU_EXECUTOR", raising=False)
+    iomp = {"LD_PRELOAD": "/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so"}
+    talker, code2wav = stage_settings.cpu_stage_envs([0, 1], iomp)
+    assert talker == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0,1",
+        "VLLM_OMNI_SHARED_CORES": "1",
+        "OMP_NUM_THREADS": "2",
+        "KMP_AFFINITY": "granularity=fine,explicit,proclist=[0,1]",
+        **IOMP_BINDING,
+    }
+    # code2wav's one thread stays unbound on shared cores, bound to its own core with 4 or more.
+    assert code2wav == {
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "OMP_NUM_THREADS": "1",
+        "VLLM_OMNI_SHARED_CORES": "1",
+    }
+    talker, code2wav = stage_settings.cpu_stage_envs(list(range(6)), iomp)
+    assert talker["OMP_NUM_THREADS"] == "5" and talker["KMP_AFFINITY"].endswith("proclist=[0,1,2,3,4]")
+    assert code2wav == {
+        "VLLM_CPU_OMP_THREADS_BIND": "5",
+        "OMP_NUM_THREADS": "1",
+        "KMP_AFFINITY": "granularity=fine,explicit,proclist=[5]",
+        **IOMP_BINDING,
+    }
+    gomp, _ = stage_settings.cpu_stage_envs([2, 3], {"LD_PRELOAD": "/usr/lib/libgomp.so.1"})
+    assert gomp["GOMP_CPU_AFFINITY"] == "2 3" and "KMP_AFFINITY" not in gomp
+    plain, _ = stage_settings.cpu_stage_envs([2, 3], {})
+    assert plain["OMP_PLACES"] == "{2,3}" and plain["OMP_PROC_BIND"] == "true"
+    # The user's own binding is for worker processes: auto gives way to it, uni is refused.
+    user = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
+    assert stage_settings.stage_executor(user) is None
+    assert stage_settings.cpu_stage_envs([0, 1], user) == ({}, {})
+    with pytest.raises(envs.FlagError, match="VLLM_OMNI_CPU_EXECUTOR='uni'.*VLLM_CPU_OMP_THREADS_BIND='0-1'"):
+        stage_settings.stage_executor({**user, "VLLM_OMNI_CPU_EXECUTOR": "uni"})
+    with pytest.raises(envs.FlagError, match="VLLM_OMNI_CPU_EXECUTOR='threads'.*auto\\|uni\\|mp"):
+        stage_settings.stage_executor({"VLLM_OMNI_CPU_EXECUTOR": "threads"})
+
+
+def test_the_in_process_executor_survives_vllms_cpu_platform(tiny_model_dir, tmp_path, monkeypatch):
+    """vLLM's CPU platform turns ``uni`` into ``mp``; the executor the deploy config names is kept,
+    and vLLM resolves it to a single-process executor (the stage's engine runs the model)."""
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+    from vllm_omni.config.stage_config import load_deploy_config, merge_pipeline_deploy
+    from vllm_omni.model_executor.models.qwen3_tts.pipeline import QWEN3_TTS_PIPELINE
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.delenv("VLLM_OMNI_CPU_EXECUTOR", raising=False)
+
+    def backend(executor: str | None) -> object:
+        return _stage_config(
+            tiny_model_dir,
+            stage_id=0,
+            model_stage="qwen3_tts",
+            model_arch="Qwen3TTSTalkerForConditionalGeneration",
+            worker_type="ar",
+            distributed_executor_backend=executor,
+        )
+
+    assert backend("uni").parallel_config.distributed_executor_backend == "mp"
+    stages = merge_pipeline_deploy(
+        QWEN3_TTS_PIPELINE, load_deploy_config(deploy_config.cpu_deploy_config_path())
+    )
+    for stage in stages:
+        written = stage.yaml_engine_args["distributed_executor_backend"]
+        assert written == stage_settings.IN_PROCESS_EXECUTOR
+        config = backend(written)
+        assert config.parallel_config.distributed_executor_backend == written
+        executor = Executor.get_class(config)
+        assert issubclass(executor, UniProcExecutor) and executor.__name__ == "InProcessExecutor"
+    monkeypatch.setenv("VLLM_OMNI_CPU_EXECUTOR", "mp")
+    stages = merge_pipeline_deploy(
+        QWEN3_TTS_PIPELINE, load_deploy_config(deploy_config.cpu_deploy_config_path())
+    )
+    assert all("distributed_executor_backend" not in s.yaml_engine_args for s in stages)
 
 
 def test_cpu_deploy_config_loads_with_vllm_omnis_loader(tmp_path, monkeypatch):

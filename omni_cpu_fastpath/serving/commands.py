@@ -134,8 +134,9 @@ def cli_serve(args: argparse.Namespace) -> int:
     from omni_cpu_fastpath import envs
 
     envs.validate_all()
-    cmd = serve_command(args.model, args.vllm_args)
     added = {**serve_defaults(), **server_env()}
+    # The deploy config binds each stage's OpenMP runtime: the one the server preloads.
+    cmd = serve_command(args.model, args.vllm_args, {**os.environ, **added})
     for name, value in added.items():
         print(f"omni-cpu-fastpath: {name}={value}", file=sys.stderr, flush=True)
     print("omni-cpu-fastpath: " + " ".join(cmd), file=sys.stderr, flush=True)

@@ -23,11 +23,12 @@ from .stage_settings import (
     kv_space_from_env,
     stage_compiles,
     stage_dtype,
+    stage_executor,
     stage_quantization,
 )
 
 # Part of the written file: bump it when the YAML written for the same inputs changes.
-CPU_DEPLOY_VERSION = 2
+CPU_DEPLOY_VERSION = 3
 
 
 def cpu_deploy_overlay(
@@ -61,6 +62,9 @@ def _stage_overlay(
         stage["quantization"] = quantization
     if not kv_space_from_env(environ):
         stage["kv_cache_memory_bytes"] = settings.kv_cache_memory_bytes
+    executor = stage_executor(environ)
+    if executor is not None:
+        stage["distributed_executor_backend"] = executor
     server_env = os.environ if environ is None else environ
     if stage_compiles(settings, environ) and "VLLM_USE_AOT_COMPILE" not in server_env:
         # vLLM's AOT artifact of a model compiled on CPU fails to load at the next start ("'function'

@@ -257,15 +257,23 @@ def cpu_stage_envs(
     :mod:`~omni_cpu_fastpath.serving.core_sharing`); where that step-down is on, the talker's
     attention keeps each sequence's KV cache whole (``VLLM_CPU_ATTN_SPLIT_KV=0``, unless set). A
     VLLM_CPU_OMP_THREADS_BIND set by the user wins: then nothing is set per stage.
+
+    Where the model runs in the stage's engine process (:func:`stage_executor`), no executor spawns
+    a worker with the OpenMP binding, so the stage's environment carries it (:func:`omp_binding_env`):
+    the engine process starts with it, before its OpenMP runtime reads it.
     """
     env = os.environ if environ is None else environ
     if env.get("VLLM_CPU_OMP_THREADS_BIND"):
         return {}, {}
     if cpus is None:
         cpus = sorted(os.sched_getaffinity(0))
+    in_process = stage_executor(environ) is not None
     if len(cpus) >= 4:
         talker = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus[:-1]))}
         code2wav = {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[-1])}
+        if in_process:
+            talker.update(omp_binding_env(cpus[:-1], environ))
+            code2wav.update(omp_binding_env(cpus[-1:], environ))
     else:
         shared = {"VLLM_OMNI_SHARED_CORES": "1"}
         talker = {"VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)), **shared}
@@ -275,4 +283,53 @@ def cpu_stage_envs(
             # request's attention sums in the same order whatever the count.
             talker["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
         code2wav = {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1", **shared}
+        if in_process:
+            talker.update(omp_binding_env(cpus, environ))
     return talker, code2wav
+
+
+# Runs a stage's model in its engine process (``serving/executor.py``); named by its path so that
+# importing this module imports no vLLM.
+IN_PROCESS_EXECUTOR = "omni_cpu_fastpath.serving.executor.InProcessExecutor"
+
+
+def stage_executor(environ: Mapping[str, str] | None = None) -> str | None:
+    """The executor the CPU deploy config names for each stage: :data:`IN_PROCESS_EXECUTOR` where
+    VLLM_OMNI_CPU_EXECUTOR asks for ``uni``, None (vLLM's CPU default, a worker process) for ``mp``.
+
+    ``auto`` is ``uni`` unless the user binds threads with VLLM_CPU_OMP_THREADS_BIND, which vLLM's
+    multiprocessing executor applies to the workers it spawns; ``uni`` beside it is refused, naming
+    both variables.
+    """
+    environ = os.environ if environ is None else environ
+    setting = envs.get("VLLM_OMNI_CPU_EXECUTOR", environ)
+    bind = environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if setting == "mp" or (setting == "auto" and bind):
+        return None
+    if bind:
+        raise envs.FlagError(
+            f"VLLM_OMNI_CPU_EXECUTOR='uni' runs each stage's model in its engine process, but "
+            f"VLLM_CPU_OMP_THREADS_BIND={bind!r} binds the threads of worker processes, which only "
+            "the multiprocessing executor starts: unset one of them, or set VLLM_OMNI_CPU_EXECUTOR=mp"
+        )
+    return IN_PROCESS_EXECUTOR
+
+
+def omp_binding_env(cpus: list[int], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The OpenMP variables vLLM's multiprocessing executor sets for a CPU worker bound to ``cpus``
+    (``vllm/utils/ompmultiprocessing.py``), for the OpenMP runtime that ``environ``'s LD_PRELOAD
+    loads: Intel OpenMP's affinity and 5 ms blocktime, GNU OpenMP's affinity, or the standard places."""
+    environ = os.environ if environ is None else environ
+    preload = environ.get("LD_PRELOAD", "")
+    ids = [str(c) for c in cpus]
+    env = {"OMP_NUM_THREADS": str(len(ids))}
+    if "libiomp" in preload or "libomp" in preload:
+        env["KMP_AFFINITY"] = f"granularity=fine,explicit,proclist=[{','.join(ids)}]"
+        env["KMP_BLOCKTIME"] = "5"
+        env["KMP_TPAUSE"] = "0"
+    elif "libgomp" in preload:
+        env["GOMP_CPU_AFFINITY"] = " ".join(ids)
+    else:
+        env["OMP_PLACES"] = "{" + ",".join(ids) + "}"
+        env["OMP_PROC_BIND"] = "true"
+    return env

@@ -103,6 +103,23 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
     return changes
 
 
+def _say_where_the_model_runs(vllm_config: Any) -> None:
+    # VLLM_OMNI_CPU_EXECUTOR is the CPU deploy config's: a stage config that does not name the
+    # in-process executor (a plain `vllm serve --omni`) runs vLLM's worker process.
+    from .stage_settings import IN_PROCESS_EXECUTOR
+
+    if envs.get("VLLM_OMNI_CPU_EXECUTOR") != "uni":
+        return
+    backend = vllm_config.parallel_config.distributed_executor_backend
+    if _qualname(backend) != IN_PROCESS_EXECUTOR:
+        logger.warning(
+            "omni-cpu-fastpath: VLLM_OMNI_CPU_EXECUTOR=uni applies to the CPU deploy config "
+            "(omni-cpu-fastpath serve); stage %s runs its model with the executor %r",
+            vllm_config.model_config.stage_id,
+            _qualname(backend),
+        )
+
+
 def _qualname(cls: Any) -> str | None:
     if cls is None or isinstance(cls, str):
         return cls
@@ -124,3 +141,5 @@ class CpuVllmPlatform(CpuPlatform):
                     ", ".join(changes),
                 )
         super().check_and_update_config(vllm_config)
+        if is_omni_stage(vllm_config.model_config):
+            _say_where_the_model_runs(vllm_config)

@@ -9,7 +9,8 @@ copying either:
   ``load_model`` / ``_to_list`` call ``super()`` and so reach the CPU versions.
 - workers: ``OmniWorkerMixin`` (loads the ``vllm_omni.general_plugins`` group in the worker
   process) on vLLM's ``CPUWorker`` (CPU memory accounting, gloo, OpenMP binding done by the
-  multiprocessing executor), with the runner swapped for the omni one.
+  multiprocessing executor, or by the stage's environment where the model runs in the stage's
+  engine process: ``serving/executor.py``), with the runner swapped for the omni one.
 
 Model Runner V2 needs Triton GPU kernels, so these workers run the V1 runners; a stage whose
 deploy config asks for ``model_runner: v2`` is refused at start with the reason (the scheduler
@@ -34,7 +35,7 @@ from vllm_omni.worker.mixins import OmniWorkerMixin
 
 from omni_cpu_fastpath import cpu_threads, envs, step_stats
 
-from . import core_sharing
+from . import core_sharing, executor
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
@@ -320,6 +321,7 @@ class _CpuOmniWorkerMixin:
         # After vLLM bound the threads, in the thread that will run the model.
         blocktime = cpu_threads.apply_blocktime()
         step_stats.served("openmp.blocktime", blocktime)
+        step_stats.served("executor", executor.describe(self.vllm_config))  # type: ignore[attr-defined]
         logger.info(
             "omni-cpu-fastpath: %s with %s (torch threads %d, OpenMP blocktime %s)",
             type(self).__name__,
