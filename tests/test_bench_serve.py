@@ -283,3 +283,50 @@ def test_a_failed_servers_first_error_is_printed_before_the_end_of_its_log() -> 
     # A log whose error is within its last lines is printed once, as its end.
     short = "\n".join(["INFO start", cause, "EngineDeadError"])
     assert serve.failure_excerpt(short).count(cause) == 1
+
+
+# --- where the cores go ------------------------------------------------------------------------
+
+_GROUP = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+t = time.perf_counter()
+while time.perf_counter() - t < 0.4:  # busy: CPU time the kernel and the process both count
+    pass
+print(child.pid, time.process_time(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_cores_table_counts_each_process_of_a_group_as_the_process_counts_itself() -> None:
+    """Against each process's own clock (``time.process_time``): a busy group leader, its sleeping
+    child, and nothing from outside the group."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from omni_cpu_fastpath.bench import cores
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _GROUP], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        child, own_cpu_s = proc.stdout.readline().split()  # type: ignore[union-attr]
+        after = cores.snapshot(proc.pid)
+        assert set(after) == {proc.pid, int(child)}
+        rows = {r["pid"]: r for r in cores.cores_table({}, after, 2.0)}
+        leader = rows[proc.pid]
+        assert leader["process"] == "API server"
+        # The leader sleeps after printing: the kernel's count then is its own, to a clock tick.
+        assert abs(leader["cpu_s"] - float(own_cpu_s)) <= 0.03, (leader, own_cpu_s)
+        assert leader["core_share"] == pytest.approx(leader["cpu_s"] / 2.0)
+        assert rows[int(child)]["cpu_s"] < leader["cpu_s"]
+        # Two snapshots of sleeping processes: no CPU in between, whatever came before.
+        later = cores.cores_table(after, cores.snapshot(proc.pid), 0.5)
+        assert all(r["cpu_s"] <= 0.02 for r in later), later
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    with pytest.raises(ValueError, match="wall_s must be positive"):
+        cores.cores_table({}, {}, 0.0)

@@ -31,6 +31,9 @@ cannot be met with these weight formats on this machine. ``ttfa_floor_ms`` likew
 to first audio: the talker's prefill of the prompt (``prefill_tokens``, from the runner's
 ``engine.scheduled_tokens``) at the fp32 peak, then one frame of every stage at its floor.
 
+``processes`` says where the cores went over the measured requests (``bench/cores.py``): each
+server process's share of a core and how often a thread of it was preempted per second.
+
 ``--json`` prints a list of ``{"impl", "rtf", "floor_rtf", "ttfa_ms", "ttfa_floor_ms",
 "server_ttfa_ms", "audio_s", "stages", ...}``; the text output adds the fast/stock ratios.
 ``--dims 0.6b`` / ``1.7b`` write a random checkpoint at the released dimensions (gigabytes on
@@ -53,6 +56,8 @@ from typing import Any
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.serving import commands
 from omni_cpu_fastpath.serving.stream_timing import FIRST_BODY_MS
+
+from . import cores
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the CPU keeps up with it."
 FRAMES = {"tiny": 48, "0.6b": 48, "1.7b": 48}  # 3.84 s of audio per request
@@ -337,11 +342,15 @@ def bench_impl(
             # API server has written its response's line (after the last chunk left it).
             _wait_for_response_line(stats_dir, warm_from)
             measured_from = time.time()
+            procs_before, t_before = cores.snapshot(server.process.pid), time.perf_counter()
             walls, runs = [], []
             for r in range(requests):
                 wall, speeches = _round(server, concurrency, frames, sr, seed=1 + r * concurrency)
                 walls.append(wall)
                 runs += speeches
+            procs = cores.cores_table(
+                procs_before, cores.snapshot(server.process.pid), time.perf_counter() - t_before
+            )
     except Exception:
         # The work folder goes with the run: say what the server said first.
         text = log.read_text(errors="replace") if log.exists() else ""
@@ -364,6 +373,7 @@ def bench_impl(
         "audio_frames": audio_frames,
         "stats_dir": str(stats_dir),
         "summary": summary,
+        "processes": procs,
         "served": step_stats.served_dir(stats_dir),
     }
 
@@ -477,6 +487,8 @@ def cli(args: argparse.Namespace) -> int:
             "code2wav runs in its own process beside the talker)"
         )
         print(format_stage_table(r["stages"]))
+        print(f"\n{r['impl']}: where the cores went while the requests ran")
+        print(cores.format_cores_table(r["processes"]))
     print(
         "\nrtf_floor: the stage floors added up over 80 ms (the stages share the cores each floor "
         "was measured on), the best RTF this machine allows these weight formats; ttfa_floor: the "
