@@ -544,37 +544,6 @@ def test_every_server_process_runs_the_preloaded_allocator_and_openmp(server):
             assert lib in maps, f"process {pid} ({cmdline!r}) lacks {lib}"
 
 
-def _stage_pid(pids: list[int], stage: int) -> int:
-    (pid,) = [
-        p
-        for p in pids
-        if f"StageEngineCoreProc_stage{stage}_".encode() in Path(f"/proc/{p}/cmdline").read_bytes()
-    ]
-    return pid
-
-
-def test_each_stage_runs_its_model_in_its_engine_process_bound_as_vllm_binds_a_worker(server):
-    """The default executor (``uni``): no worker processes, and the talker stage's OpenMP threads
-    on the CPUs vLLM would bind its worker to, one thread per CPU, as the kernel reports them."""
-    pids = _group_pids(server.process.pid)
-    names = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0] for p in pids}
-    assert not [n for n in names.values() if n.startswith(b"VLLM::Worker")], names
-    served = step_stats.served_dir(Path(server.env["VLLM_OMNI_STEP_STATS_DIR"]))
-    in_process = {int(pid) for pid, c in served.items() if c["executor"].startswith("uni (")}
-    assert in_process == {_stage_pid(pids, 0), _stage_pid(pids, 1)}, served
-    cpus = sorted(os.sched_getaffinity(0))
-    talker_cpus = cpus if len(cpus) < 4 else cpus[:-1]
-    serving.synthesize(server, "Bound threads.", max_frames=FRAMES, seed=5)  # OpenMP threads exist
-    talker = _stage_pid(pids, 0)
-    bound = set()
-    for task in Path(f"/proc/{talker}/task").iterdir():
-        status = (task / "status").read_text()
-        allowed = next(ln.split()[1] for ln in status.splitlines() if ln.startswith("Cpus_allowed_list"))
-        if allowed.isdigit():
-            bound.add(int(allowed))
-    assert bound == set(talker_cpus), (bound, talker_cpus)
-
-
 def test_server_shuts_down_cleanly(server):
     code = server.stop()
     assert code == 0, f"exit code {code}; log tail:\n{server.log_tail()}"
