@@ -34,12 +34,11 @@ def _read(path: Path) -> str | None:
         return None
 
 
-def _process(pid: int) -> ProcessTimes | None:
-    stat = _read(PROC / str(pid) / "stat")
+def _process(pid: int, fields: list[str]) -> ProcessTimes | None:
+    """``fields``: those of ``/proc/<pid>/stat`` after the command name."""
     cmdline = _read(PROC / str(pid) / "cmdline")
-    if stat is None or cmdline is None:
+    if cmdline is None:
         return None
-    fields = stat.rsplit(")", 1)[1].split()
     ticks = os.sysconf("SC_CLK_TCK")
     cpu_s = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime of every thread
     preemptions, threads = 0, 0
@@ -62,9 +61,10 @@ def snapshot(leader: int) -> dict[int, ProcessTimes]:
     out: dict[int, ProcessTimes] = {}
     for stat in PROC.glob("[0-9]*/stat"):
         text = _read(stat)
-        if text is None or int(text.rsplit(")", 1)[1].split()[2]) != leader:
+        fields = [] if text is None else text.rsplit(")", 1)[1].split()
+        if not fields or int(fields[2]) != leader:
             continue
-        times = _process(int(stat.parent.name))
+        times = _process(int(stat.parent.name), fields)
         if times is not None:
             out[int(stat.parent.name)] = times
     for pid, times in out.items():

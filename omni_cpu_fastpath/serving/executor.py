@@ -24,6 +24,7 @@ from typing import Any
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
 from .stage_settings import IN_PROCESS_EXECUTOR
+from .vllm_platform import qualname
 
 # OpenMP settings a worker's log line and the step stats show.
 OMP_VARIABLES = ("OMP_NUM_THREADS", "KMP_AFFINITY", "GOMP_CPU_AFFINITY", "OMP_PLACES")
@@ -35,8 +36,7 @@ class InProcessExecutor(UniProcExecutor):
 
 def describe(vllm_config: Any) -> str:
     """Where this stage's model runs, and with which OpenMP binding, for the step stats."""
-    backend = vllm_config.parallel_config.distributed_executor_backend
-    name = backend if isinstance(backend, str) else f"{backend.__module__}.{backend.__qualname__}"
+    name = qualname(vllm_config.parallel_config.distributed_executor_backend)
     binding = ", ".join(f"{k}={os.environ[k]}" for k in OMP_VARIABLES if os.environ.get(k))
     if name == IN_PROCESS_EXECUTOR:
         where = "uni (the model runs in the stage's engine process)"

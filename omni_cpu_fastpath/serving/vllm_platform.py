@@ -26,6 +26,7 @@ from vllm.platforms.cpu import CpuPlatform
 from omni_cpu_fastpath import envs
 
 from .stage_settings import (
+    IN_PROCESS_EXECUTOR,
     kv_space_from_env,
     omni_kv_bytes,
     stage_compiles,
@@ -96,7 +97,7 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
         model_config.dtype = getattr(torch, dtype)
     idle_ms = envs.get("VLLM_OMNI_CODE2WAV_IDLE_MS")
     scheduler_config = vllm_config.scheduler_config
-    if idle_ms > 0 and _qualname(scheduler_config.scheduler_cls) == STOCK_GENERATION_SCHEDULER:
+    if idle_ms > 0 and qualname(scheduler_config.scheduler_cls) == STOCK_GENERATION_SCHEDULER:
         # Set before the engine core builds its scheduler from this config.
         scheduler_config.scheduler_cls = PACED_GENERATION_SCHEDULER
         changes.append(f"scheduler waits {idle_ms} ms after a step with nothing to run")
@@ -106,21 +107,20 @@ def adjust_omni_stage_config(vllm_config: Any) -> list[str]:
 def _say_where_the_model_runs(vllm_config: Any) -> None:
     # VLLM_OMNI_CPU_EXECUTOR is the CPU deploy config's: a stage config that does not name the
     # in-process executor (a plain `vllm serve --omni`) runs vLLM's worker process.
-    from .stage_settings import IN_PROCESS_EXECUTOR
-
     if envs.get("VLLM_OMNI_CPU_EXECUTOR") != "uni":
         return
     backend = vllm_config.parallel_config.distributed_executor_backend
-    if _qualname(backend) != IN_PROCESS_EXECUTOR:
+    if qualname(backend) != IN_PROCESS_EXECUTOR:
         logger.warning(
             "omni-cpu-fastpath: VLLM_OMNI_CPU_EXECUTOR=uni applies to the CPU deploy config "
             "(omni-cpu-fastpath serve); stage %s runs its model with the executor %r",
             vllm_config.model_config.stage_id,
-            _qualname(backend),
+            qualname(backend),
         )
 
 
-def _qualname(cls: Any) -> str | None:
+def qualname(cls: Any) -> str | None:
+    """A class's import path, as vLLM's configs name classes (a string or None is returned as is)."""
     if cls is None or isinstance(cls, str):
         return cls
     return f"{cls.__module__}.{cls.__qualname__}"
