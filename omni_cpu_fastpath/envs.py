@@ -232,12 +232,12 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "VLLM_OMNI_CPU_EXECUTOR",
             "choice",
-            "mp",
+            "auto",
             "Where the CPU deploy config runs each stage's model. uni: in the stage's engine process "
             "(no worker process to wait on; vLLM's engine waits for its worker in a sched_yield loop "
             "that preempts the talker's OpenMP threads on a few cores); mp: in a worker process, as "
-            "vLLM's CPU platform does (the default, for now); auto: uni unless VLLM_CPU_OMP_THREADS_BIND "
-            "is set (mp applies it). A plain vllm serve --omni always runs mp.",
+            "vLLM's CPU platform does; auto: uni unless VLLM_CPU_OMP_THREADS_BIND is set (mp applies "
+            "it). A plain vllm serve --omni always runs mp.",
             choices=("auto", "uni", "mp"),
         ),
         Flag(

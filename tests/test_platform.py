@@ -224,14 +224,12 @@ IOMP_BINDING = {"KMP_BLOCKTIME": "5", "KMP_TPAUSE": "0"}  # as vLLM's multiproce
 
 
 def test_in_process_stages_carry_the_openmp_binding_a_worker_would_get(monkeypatch):
-    """``uni``: no executor spawns a worker with the binding, so each stage's environment carries
-    what vLLM's multiprocessing executor gives its worker, for the OpenMP runtime the server
-    preloads."""
+    """``uni`` (the default): no executor spawns a worker with the binding, so each stage's
+    environment carries what vLLM's multiprocessing executor gives its worker, for the OpenMP
+    runtime the server preloads."""
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.delenv("VLLM_OMNI_CPU_EXECUTOR", raising=False)
-    assert stage_settings.stage_executor() is None  # the default: vLLM's worker processes
-    uni = {"VLLM_OMNI_CPU_EXECUTOR": "uni"}
-    iomp = {"LD_PRELOAD": "/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so", **uni}
+    iomp = {"LD_PRELOAD": "/lib/libtcmalloc_minimal.so.4:/venv/lib/libiomp5.so"}
     talker, code2wav = stage_settings.cpu_stage_envs([0, 1], iomp)
     assert talker == {
         "VLLM_CPU_OMP_THREADS_BIND": "0,1",
@@ -254,14 +252,12 @@ def test_in_process_stages_carry_the_openmp_binding_a_worker_would_get(monkeypat
         "KMP_AFFINITY": "granularity=fine,explicit,proclist=[5]",
         **IOMP_BINDING,
     }
-    gomp, _ = stage_settings.cpu_stage_envs([2, 3], {"LD_PRELOAD": "/usr/lib/libgomp.so.1", **uni})
+    gomp, _ = stage_settings.cpu_stage_envs([2, 3], {"LD_PRELOAD": "/usr/lib/libgomp.so.1"})
     assert gomp["GOMP_CPU_AFFINITY"] == "2 3" and "KMP_AFFINITY" not in gomp
-    plain, _ = stage_settings.cpu_stage_envs([2, 3], uni)
+    plain, _ = stage_settings.cpu_stage_envs([2, 3], {})
     assert plain["OMP_PLACES"] == "{2,3}" and plain["OMP_PROC_BIND"] == "true"
     # The user's own binding is for worker processes: auto gives way to it, uni is refused.
-    auto = {"VLLM_OMNI_CPU_EXECUTOR": "auto"}
-    assert stage_settings.stage_executor(auto) == stage_settings.IN_PROCESS_EXECUTOR
-    user = {"VLLM_CPU_OMP_THREADS_BIND": "0-1", **auto}
+    user = {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert stage_settings.stage_executor(user) is None
     assert stage_settings.cpu_stage_envs([0, 1], user) == ({}, {})
     with pytest.raises(envs.FlagError, match="VLLM_OMNI_CPU_EXECUTOR='uni'.*VLLM_CPU_OMP_THREADS_BIND='0-1'"):
@@ -280,7 +276,7 @@ def test_the_in_process_executor_survives_vllms_cpu_platform(tiny_model_dir, tmp
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
-    monkeypatch.setenv("VLLM_OMNI_CPU_EXECUTOR", "uni")
+    monkeypatch.delenv("VLLM_OMNI_CPU_EXECUTOR", raising=False)
 
     def backend(executor: str | None) -> object:
         return _stage_config(

@@ -9,9 +9,9 @@ the stock one fails here.
 
 - bf16, the dtype vLLM serves this float32 checkpoint in on CPU: ``FastQwen3TTSTalker`` (int8 off,
   eager cached predictor) against the stock talker (``VLLM_OMNI_CPU_FASTPATH=0``, on this
-  package's CPU workers, since stock vllm-omni has none). The stock server runs each stage's model
-  in a worker process, as vLLM's CPU platform does (the default), and the fast one in the stage's
-  engine process (``VLLM_OMNI_CPU_EXECUTOR=uni``): where the model runs changes no byte.
+  package's CPU workers, since stock vllm-omni has none). The stock server also runs each stage's
+  model in a worker process, as vLLM's CPU platform does (``VLLM_OMNI_CPU_EXECUTOR=mp``), and the
+  fast one in the stage's engine process (the default): where the model runs changes no byte.
 - fp32 (``--dtype float32``): the compiled step (``VLLM_OMNI_PREDICTOR_COMPILE=step``) against the
   eager fast talker. Not against the stock talker, which cannot serve float32 (vllm-omni 0.30
   builds its embeddings in bf16; the fast talker builds them in the model's dtype), and not in
@@ -132,7 +132,8 @@ FP32 = ("--dtype", "float32")
 
 @pytest.fixture(scope="module")
 def stock(tiny_model_dir: Path, work: Path) -> Run:
-    return serve_workload(tiny_model_dir, work, "stock", {"VLLM_OMNI_CPU_FASTPATH": "0"})
+    env = {"VLLM_OMNI_CPU_FASTPATH": "0", "VLLM_OMNI_CPU_EXECUTOR": "mp"}
+    return serve_workload(tiny_model_dir, work, "stock", env)
 
 
 @pytest.fixture(scope="module")
@@ -182,9 +183,7 @@ def test_stock_server_served_the_stock_talker_in_bf16(stock: Run) -> None:
 
 
 def test_fast_eager_equals_stock_bf16(tiny_model_dir: Path, work: Path, stock: Run) -> None:
-    run = serve_workload(
-        tiny_model_dir, work, "fast-eager", {**_fast_env("off"), "VLLM_OMNI_CPU_EXECUTOR": "uni"}
-    )
+    run = serve_workload(tiny_model_dir, work, "fast-eager", _fast_env("off"))
     _assert_fast(run, "off")
     assert run.served["executor"].startswith("uni (the model runs in the stage's engine process)")
     _assert_same(run, stock)

@@ -492,16 +492,20 @@ def test_served_path_records_the_model_timers_and_components(server):
 
 
 def test_code2wav_stage_steps_at_most_once_per_idle_wait(server):
-    """While every request waits for the talker's next chunk, the code2wav stage steps at most once
-    per VLLM_OMNI_CODE2WAV_IDLE_MS (vLLM alone steps about every millisecond), as its worker counts."""
+    """While its one request waits for the talker's next chunk, the code2wav stage steps at most once
+    per VLLM_OMNI_CODE2WAV_IDLE_MS (vLLM alone steps about every millisecond), as its runner counts.
+
+    Only this request's steps are held to it: the step after each new request is not paced (a new
+    request is work), so the earlier tests' bursts of concurrent requests may each add a step."""
     log = server.log_path.read_text(errors="replace")
     assert "scheduler waits 10 ms after a step with nothing to run" in log
+    started = time.time()
     serving.synthesize(server, "Waiting for chunks.", max_frames=2 * FRAMES, seed=13)
     by_pid: dict[int, list[dict]] = {}
     for line in _stats_lines(server):
         by_pid.setdefault(line["pid"], []).append(line)
     (code2wav,) = [ls for ls in by_pid.values() if any("code2wav.forward_ms" in ln["values"] for ln in ls)]
-    code2wav.sort(key=lambda ln: ln["ts"])
+    code2wav = sorted((ln for ln in code2wav if ln["ts"] >= started), key=lambda ln: ln["ts"])
     counted = 0
     for before, line in zip(code2wav, code2wav[1:], strict=False):
         empty = sum(line["values"].get(step_stats.ENGINE_EMPTY_STEPS, []))
@@ -542,6 +546,37 @@ def test_every_server_process_runs_the_preloaded_allocator_and_openmp(server):
         for lib in wanted:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()[:80]
             assert lib in maps, f"process {pid} ({cmdline!r}) lacks {lib}"
+
+
+def _stage_pid(pids: list[int], stage: int) -> int:
+    (pid,) = [
+        p
+        for p in pids
+        if f"StageEngineCoreProc_stage{stage}_".encode() in Path(f"/proc/{p}/cmdline").read_bytes()
+    ]
+    return pid
+
+
+def test_each_stage_runs_its_model_in_its_engine_process_bound_as_vllm_binds_a_worker(server):
+    """The default executor (``uni``): no worker processes, and the talker stage's OpenMP threads
+    on the CPUs vLLM would bind its worker to, one thread per CPU, as the kernel reports them."""
+    pids = _group_pids(server.process.pid)
+    names = {p: Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0] for p in pids}
+    assert not [n for n in names.values() if n.startswith(b"VLLM::Worker")], names
+    served = step_stats.served_dir(Path(server.env["VLLM_OMNI_STEP_STATS_DIR"]))
+    in_process = {int(pid) for pid, c in served.items() if c["executor"].startswith("uni (")}
+    assert in_process == {_stage_pid(pids, 0), _stage_pid(pids, 1)}, served
+    cpus = sorted(os.sched_getaffinity(0))
+    talker_cpus = cpus if len(cpus) < 4 else cpus[:-1]
+    serving.synthesize(server, "Bound threads.", max_frames=FRAMES, seed=5)  # OpenMP threads exist
+    talker = _stage_pid(pids, 0)
+    bound = set()
+    for task in Path(f"/proc/{talker}/task").iterdir():
+        status = (task / "status").read_text()
+        allowed = next(ln.split()[1] for ln in status.splitlines() if ln.startswith("Cpus_allowed_list"))
+        if allowed.isdigit():
+            bound.add(int(allowed))
+    assert bound == set(talker_cpus), (bound, talker_cpus)
 
 
 def test_server_shuts_down_cleanly(server):
