@@ -59,12 +59,13 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lazy(module: str, func: str):
+def _lazy(module: str, func: str, uses_vllm: bool = True):
     def run(args: argparse.Namespace) -> int:
-        # vLLM's log handler binds sys.stdout when vllm is first imported: bind it to stderr, so
-        # that stdout holds only the command's table or JSON.
-        with contextlib.redirect_stdout(sys.stderr):
-            importlib.import_module("vllm.logger")
+        if uses_vllm:
+            # vLLM's log handler binds sys.stdout when vllm is first imported: bind it to stderr,
+            # so that stdout holds only the command's table or JSON.
+            with contextlib.redirect_stdout(sys.stderr):
+                importlib.import_module("vllm.logger")
         return getattr(importlib.import_module(f"omni_cpu_fastpath.{module}"), func)(args)
 
     return run
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=_lazy("qwen3_tts.parity", "cli_parity"))
 
-    s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve, spark")
+    s = sub.add_parser("bench", help="benchmarks: predictor, sampler, serve, floors, spark")
     bench = s.add_subparsers(dest="what", required=True)
     b = bench.add_parser("predictor", help="ms per frame of the code predictor, against the floor")
     b.add_argument("--dims", choices=("tiny", "0.6b", "1.7b"), default="0.6b")
@@ -145,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--impl", default="stock,fast", help="talkers to run: stock, fast or both")
     b.add_argument("--json", action="store_true")
     b.set_defaults(run=_lazy("bench.serve", "cli"))
+
+    b = bench.add_parser(
+        "floors", help="each stage's floor on this machine at the checkpoint dimensions (no server, no vLLM)"
+    )
+    b.add_argument("--dims", default="0.6b,1.7b", help="comma-separated: tiny, tiny-proj, 0.6b, 1.7b")
+    b.add_argument("--rows", type=_positive_int, default=1, help="sequences sharing each decode step")
+    b.add_argument("--json", action="store_true")
+    b.set_defaults(run=_lazy("bench.floor", "cli", uses_vllm=False))
 
     b = bench.add_parser(
         "spark", help="Spark-X2.5 served decode, hybrid vs all-full layers, against the floor"

@@ -330,3 +330,104 @@ def test_cores_table_counts_each_process_of_a_group_as_the_process_counts_itself
         proc.wait()
     with pytest.raises(ValueError, match="wall_s must be positive"):
         cores.cores_table({}, {}, 0.0)
+
+
+# --- bench floors ------------------------------------------------------------------------------
+
+# The released 0.6B talker's decode step, counted by hand (as above): 28 layers, final norm, head.
+_TALKER_06B = (
+    28 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024)
+    + 1024
+    + 3072 * 1024
+)
+
+
+def _report(environ: dict[str, str], rows: int = 1) -> dict:
+    from omni_cpu_fastpath.bench.floor import Bandwidth, Peak, floors_report
+
+    bandwidth = Bandwidth(best_gbs=25.0, kernel="matvec_fp32", per_kernel_gbs={"matvec_fp32": 25.0})
+    peaks = {"float32": Peak(250.0, "matmul_1024", {}), "bfloat16": Peak(1000.0, "matmul_1024", {})}
+    return floors_report(["0.6b", "1.7b"], rows, bandwidth, peaks, environ)
+
+
+def _floors(report: dict, dims: str, name: str) -> dict:
+    (row,) = [f for f in report["floors"] if f["dims"] == dims and f["set"] == name]
+    return row
+
+
+def test_bench_floors_reads_each_stage_at_its_format_and_adds_them_up() -> None:
+    from omni_cpu_fastpath.bench.floor import code2wav_flops
+    from omni_cpu_fastpath.testing.checkpoint import speech_tokenizer_config
+
+    report = _report({})
+    stock, fewest = _floors(report, "0.6b", "stock"), _floors(report, "0.6b", "fewest-bytes")
+    assert stock["formats"] == {"talker": "bfloat16", "predictor": "bfloat16", "code2wav": "float32"}
+    # bf16 weights: 2 bytes each, read at 25 GB/s.
+    assert stock["floors_ms"]["talker"] == pytest.approx(_TALKER_06B * 2 / 25e9 * 1e3)
+    # int8 weights read half the bytes; the bf16 codec computes at the bf16 peak, 4x fp32's here.
+    assert fewest["floors_ms"]["talker"] == pytest.approx(stock["floors_ms"]["talker"] / 2)
+    assert fewest["floors_ms"]["predictor"] == pytest.approx(stock["floors_ms"]["predictor"] / 2)
+    decoder = speech_tokenizer_config("0.6b")["decoder_config"]
+    assert stock["floors_ms"]["code2wav"] == pytest.approx(code2wav_flops(decoder) / 250e9 * 1e3)
+    assert fewest["floors_ms"]["code2wav"] == pytest.approx(stock["floors_ms"]["code2wav"] / 4)
+    for row in report["floors"]:
+        assert row["rtf_floor"] == pytest.approx(sum(row["floors_ms"].values()) / 80.0)
+    # The 1.7B talker reads about 1.41e9 weights a step, over three times the 0.6B's.
+    assert _floors(report, "1.7b", "stock")["floors_ms"]["talker"] == pytest.approx(
+        1.41e9 * 2 / 25e9 * 1e3, rel=0.02
+    )
+    # Two sequences a step share each weight read; code2wav decodes each sequence's frame.
+    two = _floors(_report({}, rows=2), "0.6b", "stock")["floors_ms"]
+    assert two["talker"] == pytest.approx(stock["floors_ms"]["talker"] / 2)
+    assert two["code2wav"] == pytest.approx(stock["floors_ms"]["code2wav"])
+
+
+def test_bench_floors_flags_set_follows_the_environment() -> None:
+    defaults = _floors(_report({}), "0.6b", "flags")["formats"]
+    assert defaults == {"talker": "bfloat16", "predictor": "int8", "code2wav": "float32"}  # serve's defaults
+    env = {
+        "VLLM_OMNI_TALKER_INT8": "w8-channel",
+        "VLLM_OMNI_PREDICTOR_INT8": "off",
+        "VLLM_OMNI_CODE2WAV_DTYPE": "bfloat16",
+    }
+    assert _floors(_report(env), "0.6b", "flags")["formats"] == {
+        "talker": "int8",
+        "predictor": "bfloat16",
+        "code2wav": "bfloat16",
+    }
+    stock = _floors(_report({}), "0.6b", "stock")["formats"]
+    assert _floors(_report({"VLLM_OMNI_CPU_FASTPATH": "0"}), "0.6b", "flags")["formats"] == stock
+    from omni_cpu_fastpath import envs
+
+    with pytest.raises(envs.FlagError, match="VLLM_OMNI_TALKER_INT8"):
+        _report({"VLLM_OMNI_TALKER_INT8": "w4"})
+
+
+def test_bench_floors_command_runs_without_vllm_and_refuses_bad_dims() -> None:
+    """Measured on this machine, with vLLM and vllm-omni made unimportable: the command needs
+    torch alone, so it runs where the serving stack cannot be installed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['vllm'] = None; sys.modules['vllm_omni'] = None\n"
+        "from omni_cpu_fastpath.cli import main\n"
+        "sys.exit(main(['bench', 'floors', '--dims', 'tiny,0.6b', '--json']))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["bandwidth_gbs"] > 0 and report["peak_gflops"]["bfloat16"] > 0
+    assert {(f["dims"], f["set"]) for f in report["floors"]} == {
+        (d, s) for d in ("tiny", "0.6b") for s in ("stock", "flags", "fewest-bytes")
+    }
+    stock = _floors(report, "0.6b", "stock")["floors_ms"]["talker"]
+    assert stock == pytest.approx(_TALKER_06B * 2 / (report["bandwidth_gbs"] * 1e9) * 1e3)
+    bad = subprocess.run(
+        [sys.executable, "-m", "omni_cpu_fastpath.cli", "bench", "floors", "--dims", "0.6b,7b"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert bad.returncode != 0 and "--dims '0.6b,7b' is not valid" in bad.stderr, bad.stderr[-2000:]
+    assert "tiny, tiny-proj, 0.6b, 1.7b" in bad.stderr

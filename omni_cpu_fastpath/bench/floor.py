@@ -1,17 +1,23 @@
-"""The code predictor's memory-bandwidth floor, measured in-process.
+"""Floors: the least time each stage of a frame can take on this machine, measured in-process.
 
-Batch-1 decoding of the predictor is bound by reading its weights: each of the 15 sub-steps of a
-frame reads every layer once plus one codebook head. ``floor_ms = bytes read per frame / read
-bandwidth``. The bandwidth is the best of several read kernels (a sum over fp32 / bf16 / int8
-buffers, a copy, a matrix-vector product) on a buffer far larger than the caches, with the
-current torch thread count: a single probe under-reads on some machines, and the floor is only
-as good as the probe.
+Batch-1 decoding of the talker and the code predictor is bound by reading their weights (each of
+the predictor's 15 sub-steps of a frame reads every layer once plus one codebook head):
+``floor_ms = bytes read per frame / read bandwidth``. code2wav's floor is its FLOPs per frame over
+the measured matmul/convolution peak of its dtype. The bandwidth is the best of several read
+kernels (a sum over fp32 / bf16 / int8 buffers, a copy, a matrix-vector product) on a buffer far
+larger than the caches, with the current torch thread count: a single probe under-reads on some
+machines, and the floor is only as good as the probe.
+
+``omni-cpu-fastpath bench floors`` (:func:`cli`) prints them for the checkpoint dimensions without
+starting a server or importing vLLM, so it runs on any machine with torch.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -219,6 +225,31 @@ def code2wav_flops(decoder: dict[str, Any], frames: int = 1) -> float:
     return 2.0 * macs
 
 
+def stage_floors_ms(
+    config: dict[str, Any],
+    decoder: dict[str, Any],
+    formats: Mapping[str, str],
+    bandwidth_gbs: float,
+    peak_gflops: Mapping[str, float],
+    rows: int = 1,
+) -> dict[str, float]:
+    """Floor ms per frame of the talker (one decode step), the predictor and code2wav.
+
+    ``formats`` maps each stage to a dtype name (:data:`BYTES_PER_DTYPE`): the weights the talker
+    and predictor read, the dtype code2wav computes in (its peak taken from ``peak_gflops``).
+    ``rows`` sequences share each weight read, so the weight floors per frame are 1/rows of a step's.
+    """
+
+    def read_ms(params: int, dtype: str) -> float:
+        return params * BYTES_PER_DTYPE[dtype] / (bandwidth_gbs * 1e9) * 1e3 / rows
+
+    return {
+        "talker": read_ms(talker_params_per_step(config), formats["talker"]),
+        "predictor": read_ms(predictor_params_per_frame(config), formats["predictor"]),
+        "code2wav": code2wav_flops(decoder) / (peak_gflops[formats["code2wav"]] * 1e9) * 1e3,
+    }
+
+
 @dataclass(frozen=True)
 class Peak:
     best_gflops: float
@@ -239,3 +270,111 @@ def measure_peak(dtype: torch.dtype, repeats: int = 5) -> Peak:
         results["conv1d_384x7"] = flops / _best_time(lambda: F.conv1d(x, w), repeats) / 1e9
     kernel = max(results, key=results.__getitem__)
     return Peak(best_gflops=results[kernel], kernel=kernel, per_kernel_gflops=results)
+
+
+# --- bench floors --------------------------------------------------------------------------------
+
+FRAME_MS = 80.0  # one 12.5 Hz frame of audio
+
+
+def format_sets(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
+    """The stages' formats the floors are given for: ``stock`` (vllm-omni's own on CPU: the bf16
+    talker and predictor, the fp32 codec), ``flags`` (what ``serve`` runs under these
+    ``VLLM_OMNI_*`` flags) and ``fewest-bytes`` (the int8 talker and predictor, the bf16 codec)."""
+    from omni_cpu_fastpath import envs
+    from omni_cpu_fastpath.serving.stage_settings import code2wav_dtype
+
+    stock = {"talker": "bfloat16", "predictor": "bfloat16", "code2wav": "float32"}
+    if envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
+        flags = {
+            "talker": "bfloat16" if envs.get("VLLM_OMNI_TALKER_INT8", environ) == "off" else "int8",
+            "predictor": "bfloat16" if envs.get("VLLM_OMNI_PREDICTOR_INT8", environ) == "off" else "int8",
+            "code2wav": code2wav_dtype(environ),
+        }
+    else:
+        flags = dict(stock)
+    return {
+        "stock": stock,
+        "flags": flags,
+        "fewest-bytes": {"talker": "int8", "predictor": "int8", "code2wav": "bfloat16"},
+    }
+
+
+def floors_report(
+    dims: list[str],
+    rows: int,
+    bandwidth: Bandwidth,
+    peaks: Mapping[str, Peak],
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
+    """Each stage's floor and ``rtf_floor`` (their sum over the 80 ms of a frame) for every dims
+    and format set, from the probes' results."""
+    import torch
+
+    from omni_cpu_fastpath.testing.checkpoint import build_config, speech_tokenizer_config
+
+    peak_gflops = {name: p.best_gflops for name, p in peaks.items()}
+    floors = []
+    for d in dims:
+        config, decoder = build_config(d), speech_tokenizer_config(d)["decoder_config"]
+        for name, formats in format_sets(environ).items():
+            ms = stage_floors_ms(config, decoder, formats, bandwidth.best_gbs, peak_gflops, rows)
+            floors.append(
+                {
+                    "dims": d,
+                    "set": name,
+                    "formats": formats,
+                    "floors_ms": ms,
+                    "rtf_floor": sum(ms.values()) / FRAME_MS,
+                }
+            )
+    return {
+        "cpu": cpu_name(),
+        "torch_threads": torch.get_num_threads(),
+        "rows": rows,
+        "bandwidth_gbs": bandwidth.best_gbs,
+        "bandwidth_kernel": bandwidth.kernel,
+        "peak_gflops": peak_gflops,
+        "floors": floors,
+    }
+
+
+def format_floors(report: dict[str, Any]) -> str:
+    peaks = ", ".join(f"{n} {g:.0f}" for n, g in report["peak_gflops"].items())
+    out = [
+        f"{report['cpu']}; {report['torch_threads']} torch threads; read bandwidth "
+        f"{report['bandwidth_gbs']:.1f} GB/s ({report['bandwidth_kernel']}); peaks (GFLOP/s) {peaks}",
+        f"floors, ms per frame with {report['rows']} row(s) a step (a frame lasts {FRAME_MS:.0f} ms):",
+        f"  {'dims':<6} {'formats: talker / predictor / code2wav':<44} {'talker':>8} {'predictor':>10} "
+        f"{'code2wav':>9} {'rtf_floor':>10}",
+    ]
+    for f in report["floors"]:
+        fm, ms = f["formats"], f["floors_ms"]
+        label = f"{f['set']} ({fm['talker']} / {fm['predictor']} / {fm['code2wav']})"
+        out.append(
+            f"  {f['dims']:<6} {label:<44} {ms['talker']:>8.2f} {ms['predictor']:>10.2f} "
+            f"{ms['code2wav']:>9.2f} {f['rtf_floor']:>10.3f}"
+        )
+    return "\n".join(out)
+
+
+def cli(args: argparse.Namespace) -> int:
+    import torch
+
+    dims = [d.strip() for d in args.dims.split(",") if d.strip()]
+    from omni_cpu_fastpath.testing.checkpoint import DIMS
+
+    bad = [d for d in dims if d not in DIMS]
+    if not dims or bad:
+        raise SystemExit(
+            f"omni-cpu-fastpath bench floors: --dims {args.dims!r} is not valid; accepted values: "
+            f"a comma-separated list of {', '.join(DIMS)}"
+        )
+    report = floors_report(
+        dims,
+        args.rows,
+        measure_bandwidth(),
+        {name: measure_peak(getattr(torch, name)) for name in ("float32", "bfloat16")},
+    )
+    print(json.dumps(report, indent=1) if args.json else format_floors(report))
+    return 0

@@ -228,12 +228,7 @@ def stage_floors(
     peak (``peak_gflops``, by dtype name) of the dtype its decoder computes in (``code2wav.dtype``;
     float32 where the stage recorded none, as the stock one does).
     """
-    from .floor import (
-        BYTES_PER_DTYPE,
-        code2wav_flops,
-        predictor_params_per_frame,
-        talker_params_per_step,
-    )
+    from .floor import stage_floors_ms
 
     config = json.loads((model / "config.json").read_text())
     decoder = json.loads((model / "speech_tokenizer" / "config.json").read_text())["decoder_config"]
@@ -243,18 +238,9 @@ def stage_floors(
     predictor_dtype = talker_dtype if int8.startswith("off") else "int8"
     decoder_dtype = talker_dtype if talker.get("talker.int8", "off").startswith("off") else "int8"
     code2wav_dtype = _process_of(served, "code2wav").get("code2wav.dtype", "float32").split()[0]
-    bytes_per_s = bandwidth_gbs * 1e9
-    floors = {
-        "talker": talker_params_per_step(config) * BYTES_PER_DTYPE[decoder_dtype] / bytes_per_s * 1e3 / rows,
-        "predictor": predictor_params_per_frame(config)
-        * BYTES_PER_DTYPE[predictor_dtype]
-        / bytes_per_s
-        * 1e3
-        / rows,
-        "code2wav": code2wav_flops(decoder) / (peak_gflops[code2wav_dtype] * 1e9) * 1e3,
-    }
-    formats = {"talker": decoder_dtype, "predictor": predictor_dtype, "code2wav": f"{code2wav_dtype} FLOPs"}
-    return floors, formats
+    formats = {"talker": decoder_dtype, "predictor": predictor_dtype, "code2wav": code2wav_dtype}
+    floors = stage_floors_ms(config, decoder, formats, bandwidth_gbs, peak_gflops, rows)
+    return floors, {**formats, "code2wav": f"{code2wav_dtype} FLOPs"}
 
 
 # --- one server --------------------------------------------------------------------------------
