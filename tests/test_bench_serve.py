@@ -176,13 +176,20 @@ def test_predictor_params_from_config_match_the_stock_module(make_checkpoint, di
     assert predictor_params_per_frame(config) == params_per_frame(build_stock_predictor(model))
 
 
+# The released 0.6B talker's decode step, counted by hand: 28 layers of hidden 1024 (16 heads, 8 kv
+# heads of 128, MLP 3072: q, k, v, o, the q/k norms, gate/up/down, two norms), final norm, codec head.
+_TALKER_06B = (
+    28 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024)
+    + 1024
+    + 3072 * 1024
+)
+
+
 def test_talker_params_per_step_by_hand() -> None:
     from omni_cpu_fastpath.bench.floor import talker_params_per_step
     from omni_cpu_fastpath.testing.checkpoint import build_config
 
-    # The released 0.6B talker: 28 layers of hidden 1024, 16 heads, 8 kv heads of 128, MLP 3072.
-    layer = 1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024
-    assert talker_params_per_step(build_config("0.6b")) == 28 * layer + 1024 + 3072 * 1024
+    assert talker_params_per_step(build_config("0.6b")) == _TALKER_06B
     assert math.isclose(talker_params_per_step(build_config("1.7b")) / 1e9, 1.41, abs_tol=0.02)
 
 
@@ -333,13 +340,6 @@ def test_cores_table_counts_each_process_of_a_group_as_the_process_counts_itself
 
 
 # --- bench floors ------------------------------------------------------------------------------
-
-# The released 0.6B talker's decode step, counted by hand (as above): 28 layers, final norm, head.
-_TALKER_06B = (
-    28 * (1024 * 2048 + 2 * 1024 * 1024 + 2048 * 1024 + 2 * 128 + 3 * 1024 * 3072 + 2 * 1024)
-    + 1024
-    + 3072 * 1024
-)
 
 
 def _report(environ: dict[str, str], rows: int = 1) -> dict:

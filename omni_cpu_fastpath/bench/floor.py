@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import FRAME_MS
+
 BYTES_PER_PARAM = {"fp32": 4.0, "bf16": 2.0, "int8": 1.0}
 
 
@@ -274,8 +276,6 @@ def measure_peak(dtype: torch.dtype, repeats: int = 5) -> Peak:
 
 # --- bench floors --------------------------------------------------------------------------------
 
-FRAME_MS = 80.0  # one 12.5 Hz frame of audio
-
 
 def format_sets(environ: Mapping[str, str] | None = None) -> dict[str, dict[str, str]]:
     """The stages' formats the floors are given for: ``stock`` (vllm-omni's own on CPU: the bf16
@@ -314,10 +314,11 @@ def floors_report(
     from omni_cpu_fastpath.testing.checkpoint import build_config, speech_tokenizer_config
 
     peak_gflops = {name: p.best_gflops for name, p in peaks.items()}
+    sets = format_sets(environ)
     floors = []
     for d in dims:
         config, decoder = build_config(d), speech_tokenizer_config(d)["decoder_config"]
-        for name, formats in format_sets(environ).items():
+        for name, formats in sets.items():
             ms = stage_floors_ms(config, decoder, formats, bandwidth.best_gbs, peak_gflops, rows)
             floors.append(
                 {
@@ -359,11 +360,9 @@ def format_floors(report: dict[str, Any]) -> str:
 
 
 def cli(args: argparse.Namespace) -> int:
-    import torch
-
-    dims = [d.strip() for d in args.dims.split(",") if d.strip()]
     from omni_cpu_fastpath.testing.checkpoint import DIMS
 
+    dims = [d.strip() for d in args.dims.split(",") if d.strip()]
     bad = [d for d in dims if d not in DIMS]
     if not dims or bad:
         raise SystemExit(

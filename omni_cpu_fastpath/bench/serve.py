@@ -57,12 +57,11 @@ from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.serving import commands
 from omni_cpu_fastpath.serving.stream_timing import FIRST_BODY_MS
 
-from . import cores
+from . import FRAME_MS, cores
 
 TEXT = "The quick brown fox jumps over the lazy dog, and the CPU keeps up with it."
 FRAMES = {"tiny": 48, "0.6b": 48, "1.7b": 48}  # 3.84 s of audio per request
 IMPLS = ("stock", "fast")
-FRAME_MS = 80.0  # one 12.5 Hz frame of audio
 # Stage name, its counter (an absent counter reads "-"), and which floor applies.
 STAGES: tuple[tuple[str, str, str | None], ...] = (
     ("talker forward", step_stats.MODEL_FORWARD, "talker"),
