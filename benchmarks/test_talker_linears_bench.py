@@ -1,7 +1,8 @@
 """pytest-benchmark: the bf16 talker's decoder linears, stock (vLLM's) against the package's
 method for CPUs without native bf16 (``VLLM_OMNI_TALKER_FP32_PREFILL``): one prefill (a 100-token
 prompt through the decoder and codec head, in fp32 there) and one decode step at 1 and 8 rows
-(through the few-row kernel there, ``VLLM_OMNI_CPU_GEMV``).
+(through the few-row kernel there, ``VLLM_OMNI_CPU_GEMV``); and a decode step of the same method
+with its prefill left in bf16 (``VLLM_OMNI_TALKER_DECODE_GEMV``, the ``decode-gemv`` row).
 
 Run with ``make bench``; with the repository default ``--benchmark-disable`` each body runs once
 as a smoke test. ``OMNI_BENCH_DIMS`` (default ``0.6b``) picks the dimensions of the random
@@ -32,7 +33,7 @@ def prefill_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
     from omni_cpu_fastpath.bench.floor import cpu_name, measure_bandwidth
     from omni_cpu_fastpath.qwen3_tts import talker_parity
-    from omni_cpu_fastpath.serving.stage_settings import TALKER_FP32_PREFILL_METHOD
+    from omni_cpu_fastpath.serving.stage_settings import TALKER_DECODE_GEMV_METHOD, TALKER_FP32_PREFILL_METHOD
     from omni_cpu_fastpath.testing.checkpoint import make_model
     from omni_cpu_fastpath.testing.stock import build_stock_talker
 
@@ -40,10 +41,11 @@ def prefill_setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_dir: Path = make_model(tmp_path_factory.mktemp("talker-prefill"), dims=DIMS, seed=0)
     stock = build_stock_talker(model_dir, torch.bfloat16)
     fast = build_stock_talker(model_dir, torch.bfloat16, quantization=TALKER_FP32_PREFILL_METHOD)
+    decode = build_stock_talker(model_dir, torch.bfloat16, quantization=TALKER_DECODE_GEMV_METHOD)
     embeds = talker_parity.make_embeds(stock[0], 1, TOKENS).to(torch.bfloat16)
     bw = measure_bandwidth()
     return {
-        "builds": {"stock-bf16": stock, "fp32-prefill": fast},
+        "builds": {"stock-bf16": stock, "fp32-prefill": fast, "decode-gemv": decode},
         "embeds": embeds,
         "floor_ms": talker_parity.weight_bytes(stock[0]) / (bw.best_gbs * 1e9) * 1e3,
         "cpu": cpu_name(),
@@ -89,7 +91,7 @@ DECODE_STEPS = 8
 
 
 @pytest.mark.parametrize("rows", [1, 8])
-@pytest.mark.parametrize("row", ["stock-bf16", "fp32-prefill"])
+@pytest.mark.parametrize("row", ["stock-bf16", "fp32-prefill", "decode-gemv"])
 def test_talker_decode_step(benchmark: Any, prefill_setup: dict[str, Any], row: str, rows: int) -> None:
     import torch
     from vllm.config.vllm import set_current_vllm_config

@@ -123,6 +123,15 @@ FLAGS: dict[str, Flag] = {
             choices=("auto", "on", "off"),
         ),
         Flag(
+            "VLLM_OMNI_TALKER_DECODE_GEMV",
+            "bool",
+            "0",
+            "1: the bf16 talker's decoder linears (int8 off) run calls of 1-8 rows (decode steps) "
+            "through VLLM_OMNI_CPU_GEMV's kernel also where its prefill stays in bf16 "
+            "(VLLM_OMNI_TALKER_FP32_PREFILL off, as auto is on CPUs with native bf16). Not bit-equal "
+            "to the stock talker; off with VLLM_OMNI_CPU_FASTPATH off (1 beside it is refused).",
+        ),
+        Flag(
             "VLLM_OMNI_CPU_GEMV",
             "bool",
             "1",
@@ -155,9 +164,9 @@ FLAGS: dict[str, Flag] = {
             "choice",
             "off",
             "off: the talker's decoder runs eager; vllm: vLLM's own compilation (Inductor, traced once "
-            "for every batch size) compiles it at load, cached on disk by vLLM. Not with talker int8 or "
-            "VLLM_OMNI_TALKER_FP32_PREFILL=on (their linears branch on the row count); off with "
-            "VLLM_OMNI_CPU_FASTPATH off.",
+            "for every batch size) compiles it at load, cached on disk by vLLM. Not with talker int8, "
+            "VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV=1 (their linears branch on "
+            "the row count); off with VLLM_OMNI_CPU_FASTPATH off.",
             choices=("off", "vllm"),
         ),
         Flag(

@@ -37,9 +37,19 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 
 class Fp32PrefillLinearMethod(UnquantizedLinearMethod):
-    """vLLM's unquantized method, except that a call of :data:`FP32_ROWS` rows or more on half
+    """vLLM's unquantized method, except that a call of ``fp32_rows`` rows or more on half
     weights runs ``F.linear`` in fp32 (weights widened per call) and rounds to the input dtype, and
-    a call of 1-8 rows on bf16 weights runs ``cpu_gemv`` (when :func:`cpu_gemv.wanted`)."""
+    a call of 1-8 rows on bf16 weights runs ``cpu_gemv`` (when :func:`cpu_gemv.wanted`).
+
+    ``fp32_rows=None`` keeps every many-row call in vLLM's product (CPUs with native bf16, where
+    only the decode rows gain): then only the few-row kernel differs from vLLM's method.
+    ``gemv_rows`` caps the rows the kernel takes (native bf16 products overtake it from two rows).
+    """
+
+    def __init__(self, fp32_rows: int | None = FP32_ROWS, gemv_rows: int = cpu_gemv.MAX_ROWS) -> None:
+        super().__init__()
+        self.fp32_rows = fp32_rows
+        self.gemv_rows = gemv_rows
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if current_platform.is_cpu() and layer.weight.dtype in HALF_DTYPES:
@@ -56,9 +66,9 @@ class Fp32PrefillLinearMethod(UnquantizedLinearMethod):
         weight = layer.weight
         if weight.dtype not in HALF_DTYPES:
             return super().apply(layer, x, bias)
-        if x.numel() >= FP32_ROWS * x.shape[-1]:
+        if self.fp32_rows is not None and x.numel() >= self.fp32_rows * x.shape[-1]:
             return fp32_linear(x, weight, bias)
-        if getattr(layer, "cpu_gemv", False):
+        if getattr(layer, "cpu_gemv", False) and x.numel() <= self.gemv_rows * x.shape[-1]:
             x2 = x.reshape(-1, x.shape[-1])
             if cpu_gemv.accepts(x2, weight):
                 return few_rows_linear(x2, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
@@ -83,6 +93,12 @@ class Fp32PrefillConfig(QuantizationConfig):
     :class:`Fp32PrefillLinearMethod`, other linears vLLM's ``UnquantizedLinearMethod``."""
 
     name = "omni_cpu_fp32_prefill"
+    # The method's ``fp32_rows``: None keeps many-row calls in vLLM's product.
+    fp32_rows: int | None = FP32_ROWS
+
+    def gemv_rows(self) -> int:
+        """The most rows a call of the method's linears takes through the few-row kernel."""
+        return cpu_gemv.MAX_ROWS
 
     def takes(self, prefix: str) -> bool:
         return True
@@ -108,4 +124,6 @@ class Fp32PrefillConfig(QuantizationConfig):
     def get_quant_method(self, layer: nn.Module, prefix: str) -> LinearMethodBase | None:
         if not isinstance(layer, LinearBase):
             return None
-        return Fp32PrefillLinearMethod() if self.takes(prefix) else UnquantizedLinearMethod()
+        if not self.takes(prefix):
+            return UnquantizedLinearMethod()
+        return Fp32PrefillLinearMethod(self.fp32_rows, self.gemv_rows())

@@ -234,6 +234,7 @@ def test_stock_row_serves_beside_fast_flags_exported_for_the_fast_row() -> None:
     exported = {
         "VLLM_OMNI_TALKER_INT8": "w8-channel",
         "VLLM_OMNI_TALKER_FP32_PREFILL": "on",
+        "VLLM_OMNI_TALKER_DECODE_GEMV": "1",
         "VLLM_OMNI_TALKER_COMPILE": "vllm",
         "VLLM_OMNI_CODE2WAV_DTYPE": "bfloat16",
     }
@@ -401,6 +402,28 @@ def test_bench_floors_flags_set_follows_the_environment() -> None:
 
     with pytest.raises(envs.FlagError, match="VLLM_OMNI_TALKER_INT8"):
         _report({"VLLM_OMNI_TALKER_INT8": "w4"})
+
+
+def test_bench_floors_says_why_the_flags_set_is_stock(monkeypatch: pytest.MonkeyPatch) -> None:
+    from omni_cpu_fastpath import envs
+    from omni_cpu_fastpath.bench.floor import format_floors
+
+    assert not envs.has_accelerator()  # this machine kind: the fast path's auto is on
+    on = _report({})
+    assert on["fast_path_off"] is None
+    assert "fast path off" not in format_floors(on)
+    off = _report({"VLLM_OMNI_CPU_FASTPATH": "0"})
+    assert off["fast_path_off"] == "VLLM_OMNI_CPU_FASTPATH=0"
+    text = format_floors(off)
+    assert "flags, fast path off (bfloat16 / bfloat16 / float32)" in text
+    assert "the fast path is off (VLLM_OMNI_CPU_FASTPATH=0)" in text
+    # Where torch sees a GPU, auto turns the fast path off: the row says so rather than
+    # silently repeating stock's.
+    monkeypatch.setattr(envs, "has_accelerator", lambda: True)
+    gpu = _report({})
+    assert _floors(gpu, "0.6b", "flags")["formats"] == _floors(gpu, "0.6b", "stock")["formats"]
+    assert "torch sees an accelerator" in gpu["fast_path_off"]
+    assert "torch sees an accelerator" in format_floors(gpu)
 
 
 def test_bench_floors_command_runs_without_vllm_and_refuses_bad_dims() -> None:

@@ -199,3 +199,29 @@ def test_fast_compiled_equals_fast_eager_fp32(
     # Every bucket the runner can reach (max_num_seqs 8) was compiled at load.
     _assert_fast(run, "step (buckets 1,2,4,8, compiled at load")
     _assert_same(run, fast_eager_fp32)
+
+
+def test_fast_decode_rows_through_the_kernel_prefill_as_stock_bf16(
+    tiny_model_dir: Path, work: Path, stock: Run
+) -> None:
+    """``VLLM_OMNI_TALKER_DECODE_GEMV=1``: the talker's decode rows through the few-row kernel,
+    its prompts through vLLM's product, so every request's first frame is stock's."""
+    from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
+
+    env = {**_fast_env("off"), "VLLM_OMNI_TALKER_DECODE_GEMV": "1"}
+    run = serve_workload(tiny_model_dir, work, "fast-decode-gemv", env)
+    _assert_fast(run, "off")
+    layers = 2  # tiny
+    assert run.served["talker.prefill"] == (
+        f"model dtype (bfloat16; {4 * layers} decoder linears; "
+        f"{'1 row' if native_bf16_by_cpuinfo() else '1-8 rows'}: "
+        f"C kernel ({widest_simd_by_cpuinfo()}) for 1-8 rows; other rows in bfloat16)"
+    )
+    names = [r[0] for r in SOLO + TRIO + TRIO_STREAM]
+    assert sorted(run.audio) == sorted(names) and len(run.codes) == len(names)
+    assert Counter(repr(c[0]) for c in run.codes) == Counter(repr(c[0]) for c in stock.codes)
+    # Later frames: the same products summed in another order, where one rounding can tip a
+    # sampled code and the request then goes its own way; a kernel that mixed up rows or weights
+    # would part every request from stock's codes.
+    same = Counter(map(repr, run.codes)) & Counter(map(repr, stock.codes))
+    assert sum(same.values()) >= len(names) * 3 // 4, f"{sum(same.values())} of {len(names)}"

@@ -1,5 +1,6 @@
 """The talker's bf16 decoder linears with prefills in fp32 (``VLLM_OMNI_TALKER_FP32_PREFILL``,
-``quant/talker_fp32_prefill.py``).
+``quant/talker_fp32_prefill.py``), and with only their decode rows through the few-row kernel
+(``VLLM_OMNI_TALKER_DECODE_GEMV``).
 
 References: float64 arithmetic (the linear method), vLLM's own ``UnquantizedLinearMethod`` (fewer
 rows than the threshold, and float32 weights, must be it, bit for bit), this CPU's flags as
@@ -19,9 +20,10 @@ from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.serving import deploy_config, stage_settings
 
 METHOD = stage_settings.TALKER_FP32_PREFILL_METHOD
+DECODE_METHOD = stage_settings.TALKER_DECODE_GEMV_METHOD
 
 
-def _method_layer(weight, stock: bool = False):
+def _method_layer(weight, stock: bool = False, fp32_rows: int | None = 16, gemv_rows: int = 8):
     """A module with ``Fp32PrefillLinearMethod``'s weight (``stock``: vLLM's
     ``UnquantizedLinearMethod``'s), loaded and processed as vLLM's loader does."""
     from torch import nn
@@ -34,7 +36,7 @@ def _method_layer(weight, stock: bool = False):
 
     with set_current_vllm_config(VllmConfig()):
         ensure_single_process_world()
-        method = UnquantizedLinearMethod() if stock else Fp32PrefillLinearMethod()
+        method = UnquantizedLinearMethod() if stock else Fp32PrefillLinearMethod(fp32_rows, gemv_rows)
     layer = nn.Module()
     n, k = weight.shape
     method.create_weights(layer, k, [n], k, n, weight.dtype, weight_loader=lambda p, w: p.data.copy_(w))
@@ -175,3 +177,100 @@ def test_prefill_is_no_further_from_fp32_than_the_bf16_talker(
     assert ours["top1"] >= theirs["top1"] - 0.02, (ours, theirs)
     assert ours["kl"] <= theirs["kl"] * 1.25 + 1e-6, (ours, theirs)
     assert ours["max_logit_diff"] <= theirs["max_logit_diff"] * 1.25, (ours, theirs)
+
+
+def test_decode_gemv_method_is_vllms_product_but_for_decode_rows() -> None:
+    import torch
+
+    from omni_cpu_fastpath import cpu_gemv
+
+    torch.manual_seed(2)
+    n, k = 160, 256
+    w = (torch.randn(n, k) * 0.02).bfloat16()
+    bias = (torch.randn(n) * 0.1).bfloat16()
+    method, layer = _method_layer(w, fp32_rows=None)
+    stock, stock_layer = _method_layer(w, stock=True)
+    assert layer.cpu_gemv
+    for rows in (1, 3, 8):  # decode steps: the few-row kernel, as the fp32-prefill method's
+        x = torch.randn(rows, k).bfloat16()
+        want = (cpu_gemv.gemv(x, w, out_dtype=torch.float32) + bias.float()).bfloat16()
+        assert torch.equal(method.apply(layer, x, bias), want)
+    # Every other call, a prompt's prefill included, is vLLM's bf16 product bit for bit.
+    for shape in ((9, k), (16, k), (2, 64, k)):
+        x = torch.randn(*shape).bfloat16()
+        assert torch.equal(method.apply(layer, x, bias), stock.apply(stock_layer, x, bias)), shape
+    # Capped at one row (CPUs with native bf16): two rows are vLLM's product again.
+    one, one_layer = _method_layer(w, fp32_rows=None, gemv_rows=1)
+    x = torch.randn(1, k).bfloat16()
+    assert torch.equal(one.apply(one_layer, x), cpu_gemv.gemv(x, w))
+    x = torch.randn(2, k).bfloat16()
+    assert torch.equal(one.apply(one_layer, x, bias), stock.apply(stock_layer, x, bias))
+
+
+def test_decode_gemv_flag_selects_its_method_and_is_refused_where_it_cannot_serve(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    talker = stage_settings.QWEN3_TTS_STAGES[0]
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")
+    monkeypatch.delenv("VLLM_OMNI_TALKER_DECODE_GEMV", raising=False)
+    assert envs.get("VLLM_OMNI_TALKER_DECODE_GEMV") is False  # off by default: bit-equal to stock
+    assert stage_settings.stage_quantization(talker) is None
+    monkeypatch.setenv("VLLM_OMNI_TALKER_DECODE_GEMV", "1")
+    rows = [stage_settings.stage_quantization(s) for s in stage_settings.QWEN3_TTS_STAGES]
+    assert rows == [DECODE_METHOD, None]
+    by_id = {s["stage_id"]: s for s in deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]}
+    assert by_id[0].get("quantization") == DECODE_METHOD and "quantization" not in by_id[1]
+    # The fp32 prefill's method already sends decode rows to the kernel; int8 takes the linears.
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "on")
+    assert stage_settings.stage_quantization(talker) == METHOD
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-plain")
+    assert stage_settings.stage_quantization(talker) == "omni_cpu_talker_w8_plain"
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")
+    # Its method picks a kernel by the row count: refused beside a compiled talker, by name.
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "vllm")
+    refused = r"VLLM_OMNI_TALKER_COMPILE='vllm'.*VLLM_OMNI_TALKER_DECODE_GEMV='1'"
+    with pytest.raises(envs.FlagError, match=refused):
+        stage_settings.stage_quantization(talker)
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "off")
+    # Stock is stock: beside the fast path's off switch it is refused, naming both.
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "0")
+    with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_TALKER_DECODE_GEMV='1'.*VLLM_OMNI_CPU_FASTPATH='0'"):
+        stage_settings.stage_quantization(talker)
+    monkeypatch.setenv("VLLM_OMNI_TALKER_DECODE_GEMV", "sometimes")
+    with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_TALKER_DECODE_GEMV='sometimes'"):
+        envs.validate_all()
+
+
+def test_decode_gemv_talker_prefills_as_the_bf16_talker(tiny_outlier_model_dir: Path) -> None:
+    """vLLM's own model construction gives every decoder linear the method, and a prefill's codec
+    logits are the plain bf16 talker's bit for bit (its many-row calls are vLLM's product)."""
+    import torch
+    from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+
+    from omni_cpu_fastpath.fp32_prefill import Fp32PrefillLinearMethod
+    from omni_cpu_fastpath.qwen3_tts import talker_parity
+    from omni_cpu_fastpath.qwen3_tts.quant import talker_fp32_prefill as prefill
+    from omni_cpu_fastpath.testing.stock import build_stock_talker
+
+    bf16_model, bf16_cfg = build_stock_talker(tiny_outlier_model_dir, torch.bfloat16)
+    model, mcfg = build_stock_talker(tiny_outlier_model_dir, torch.bfloat16, quantization=DECODE_METHOD)
+    assert isinstance(mcfg.quant_config, prefill.TalkerDecodeGemvConfig)
+    methods = {name: m.quant_method for name, m in model.named_modules() if isinstance(m, LinearBase)}
+    decoder = {n for n, m in methods.items() if isinstance(m, Fp32PrefillLinearMethod)}
+    layers = len(model.model.layers)
+    assert len(decoder) == 4 * layers and all(methods[n].fp32_rows is None for n in decoder)
+    # The kernel takes one row where this CPU multiplies bf16 natively, 1-8 where torch emulates.
+    native = native_bf16_by_cpuinfo()
+    assert {methods[n].gemv_rows for n in decoder} == {1 if native else 8}
+    assert all(type(m) is UnquantizedLinearMethod for n, m in methods.items() if n not in decoder)
+    assert prefill.served_status(model, mcfg.quant_config, torch.bfloat16) == (
+        f"model dtype (bfloat16; {4 * layers} decoder linears; {'1 row' if native else '1-8 rows'}: "
+        f"C kernel ({widest_simd_by_cpuinfo()}) for 1-8 rows; other rows in bfloat16)"
+    )
+    embeds = talker_parity.make_embeds(bf16_model, 2, 32)
+    want = talker_parity.teacher_forced_logits(bf16_model, bf16_cfg, embeds)
+    got = talker_parity.teacher_forced_logits(model, mcfg, embeds)
+    assert torch.equal(got, want)

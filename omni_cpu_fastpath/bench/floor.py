@@ -300,6 +300,19 @@ def format_sets(environ: Mapping[str, str] | None = None) -> dict[str, dict[str,
     }
 
 
+def fast_path_off_reason(environ: Mapping[str, str] | None = None) -> str | None:
+    """Why ``serve`` would run the stock stages under these flags (so the ``flags`` set is
+    ``stock``'s), or None where the fast path is on."""
+    from omni_cpu_fastpath import envs
+
+    if envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
+        return None
+    value = envs.raw("VLLM_OMNI_CPU_FASTPATH", environ)
+    if value.strip().lower() == "auto":
+        return "VLLM_OMNI_CPU_FASTPATH=auto is off where torch sees an accelerator"
+    return f"VLLM_OMNI_CPU_FASTPATH={value}"
+
+
 def floors_report(
     dims: list[str],
     rows: int,
@@ -332,6 +345,7 @@ def floors_report(
     return {
         "cpu": cpu_name(),
         "torch_threads": torch.get_num_threads(),
+        "fast_path_off": fast_path_off_reason(environ),
         "rows": rows,
         "bandwidth_gbs": bandwidth.best_gbs,
         "bandwidth_kernel": bandwidth.kernel,
@@ -346,16 +360,20 @@ def format_floors(report: dict[str, Any]) -> str:
         f"{report['cpu']}; {report['torch_threads']} torch threads; read bandwidth "
         f"{report['bandwidth_gbs']:.1f} GB/s ({report['bandwidth_kernel']}); peaks (GFLOP/s) {peaks}",
         f"floors, ms per frame with {report['rows']} row(s) a step (a frame lasts {FRAME_MS:.0f} ms):",
-        f"  {'dims':<6} {'formats: talker / predictor / code2wav':<44} {'talker':>8} {'predictor':>10} "
+        f"  {'dims':<6} {'formats: talker / predictor / code2wav':<53} {'talker':>8} {'predictor':>10} "
         f"{'code2wav':>9} {'rtf_floor':>10}",
     ]
+    off = report.get("fast_path_off")
     for f in report["floors"]:
         fm, ms = f["formats"], f["floors_ms"]
-        label = f"{f['set']} ({fm['talker']} / {fm['predictor']} / {fm['code2wav']})"
+        name = f"{f['set']}, fast path off" if off and f["set"] == "flags" else f["set"]
+        label = f"{name} ({fm['talker']} / {fm['predictor']} / {fm['code2wav']})"
         out.append(
-            f"  {f['dims']:<6} {label:<44} {ms['talker']:>8.2f} {ms['predictor']:>10.2f} "
+            f"  {f['dims']:<6} {label:<53} {ms['talker']:>8.2f} {ms['predictor']:>10.2f} "
             f"{ms['code2wav']:>9.2f} {f['rtf_floor']:>10.3f}"
         )
+    if off:
+        out.append(f"flags: the fast path is off ({off}), so serve runs the stock formats")
     return "\n".join(out)
 
 

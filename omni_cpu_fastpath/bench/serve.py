@@ -293,6 +293,7 @@ def samples_per_frame(model: Path) -> int:
 STOCK_ROW_FLAGS = {
     "VLLM_OMNI_TALKER_INT8": "off",
     "VLLM_OMNI_TALKER_FP32_PREFILL": "auto",
+    "VLLM_OMNI_TALKER_DECODE_GEMV": "0",
     "VLLM_OMNI_TALKER_COMPILE": "off",
     "VLLM_OMNI_CODE2WAV_DTYPE": "float32",
 }

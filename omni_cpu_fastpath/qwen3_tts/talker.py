@@ -19,8 +19,9 @@ when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
   the ``w8-channel`` linears the RMSNorm gains that pick their fp32 columns. With
   VLLM_OMNI_TALKER_PARITY_CHECK=1 each forward also runs the decoder with the int8 layers' float
   weights first and records ``talker.parity.*`` (``talker_parity.TalkerParityChecker``).
-  VLLM_OMNI_TALKER_FP32_PREFILL takes the same road with int8 off (``quant/talker_fp32_prefill.py``);
-  this class records how a prefill runs as ``talker.prefill``.
+  VLLM_OMNI_TALKER_FP32_PREFILL and VLLM_OMNI_TALKER_DECODE_GEMV take the same road with int8 off
+  (``quant/talker_fp32_prefill.py``); this class records how the float linears run as
+  ``talker.prefill``.
 - VLLM_OMNI_TALKER_COMPILE=vllm leaves the stage's decoder to vLLM's own compilation (the stage
   settings); this class records it as ``talker.compile``, and with the parity check on the
   reference forward runs the decoder eager (``talker_parity.eager_decoder``).

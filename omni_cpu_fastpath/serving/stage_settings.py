@@ -41,6 +41,8 @@ TALKER_INT8_METHODS: dict[str, str] = {
 }
 # VLLM_OMNI_TALKER_FP32_PREFILL's method (``qwen3_tts/quant/talker_fp32_prefill.py``), when int8 is off.
 TALKER_FP32_PREFILL_METHOD = "omni_cpu_talker_fp32_prefill"
+# VLLM_OMNI_TALKER_DECODE_GEMV's method: the same one with the prefill left in the model's dtype.
+TALKER_DECODE_GEMV_METHOD = "omni_cpu_talker_decode_gemv"
 
 
 @dataclass(frozen=True)
@@ -122,7 +124,9 @@ def stage_quantization(
     settings: StageSettings | None, environ: Mapping[str, str] | None = None
 ) -> str | None:
     """The vLLM quantization method VLLM_OMNI_TALKER_INT8 selects for a stage, or None; with int8
-    off, the fp32-prefill method where VLLM_OMNI_TALKER_FP32_PREFILL asks for it.
+    off, the fp32-prefill method where VLLM_OMNI_TALKER_FP32_PREFILL asks for it (its decode rows
+    take the few-row kernel), else the decode-rows-only method where VLLM_OMNI_TALKER_DECODE_GEMV
+    does.
 
     Talker int8 is part of the fast path: with VLLM_OMNI_CPU_FASTPATH off the talker stage is the
     stock one, float, and its default is off. A scheme set explicitly beside it is refused rather
@@ -149,6 +153,12 @@ def stage_quantization(
                 f"{master} turns it off (the stock "
                 "talker serves): set VLLM_OMNI_TALKER_FP32_PREFILL=auto or off, or VLLM_OMNI_CPU_FASTPATH=1"
             )
+        if envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ):
+            raise envs.FlagError(
+                f"VLLM_OMNI_TALKER_DECODE_GEMV={envs.raw('VLLM_OMNI_TALKER_DECODE_GEMV', environ)!r} "
+                f"needs the fast path, but {master} turns it off (the stock talker serves): set "
+                "VLLM_OMNI_TALKER_DECODE_GEMV=0 (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
+            )
         return None
     if scheme != "off":
         stage_compiles(settings, environ)  # refuses int8 beside a compiled talker
@@ -157,7 +167,9 @@ def stage_quantization(
         # The fp32-prefill method branches on the row count, which a graph traced once for every
         # batch size cannot keep (an explicit ``on`` beside the compile is refused there).
         return None
-    return TALKER_FP32_PREFILL_METHOD if fp32_prefill(environ) else None
+    if fp32_prefill(environ):
+        return TALKER_FP32_PREFILL_METHOD
+    return TALKER_DECODE_GEMV_METHOD if envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ) else None
 
 
 def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | None = None) -> bool:
@@ -166,8 +178,9 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
 
     Refused with a :class:`~omni_cpu_fastpath.envs.FlagError` naming both variables, rather than
     served otherwise than asked: beside ``VLLM_OMNI_CPU_FASTPATH`` off (the stock talker runs
-    eager), talker int8 or ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` (linear methods that pick a kernel
-    by the row count, which one traced graph would fix for every batch size).
+    eager), talker int8, ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1``
+    (linear methods that pick a kernel by the row count, which one traced graph would fix for
+    every batch size).
     """
     if settings is None or not settings.vllm_compile:
         return False
@@ -184,6 +197,7 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
     branching = {
         "VLLM_OMNI_TALKER_INT8": envs.get("VLLM_OMNI_TALKER_INT8", environ) != "off",
         "VLLM_OMNI_TALKER_FP32_PREFILL": envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) == "on",
+        "VLLM_OMNI_TALKER_DECODE_GEMV": envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ),
     }
     for name, on in branching.items():
         if on:

@@ -59,7 +59,11 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from omni_cpu_fastpath import cpu_gemv, envs
 from omni_cpu_fastpath.errors import describe
-from omni_cpu_fastpath.serving.stage_settings import TALKER_FP32_PREFILL_METHOD, TALKER_INT8_METHODS
+from omni_cpu_fastpath.serving.stage_settings import (
+    TALKER_DECODE_GEMV_METHOD,
+    TALKER_FP32_PREFILL_METHOD,
+    TALKER_INT8_METHODS,
+)
 
 from .modules import float_columns_product, outlier_channels, quantize_with_float_columns
 
@@ -286,11 +290,15 @@ CONFIGS: dict[str, type[QuantizationConfig]] = {
 
 
 def register() -> dict[str, type[QuantizationConfig]]:
-    """Register every talker int8 method, and the fp32-prefill one, with vLLM (idempotent);
-    returns name -> config class."""
-    from .talker_fp32_prefill import TalkerFp32PrefillConfig
+    """Register every talker int8 method, and the bf16 ones (fp32 prefill, decode rows), with
+    vLLM (idempotent); returns name -> config class."""
+    from .talker_fp32_prefill import TalkerDecodeGemvConfig, TalkerFp32PrefillConfig
 
-    configs = {**CONFIGS, TALKER_FP32_PREFILL_METHOD: TalkerFp32PrefillConfig}
+    configs = {
+        **CONFIGS,
+        TALKER_FP32_PREFILL_METHOD: TalkerFp32PrefillConfig,
+        TALKER_DECODE_GEMV_METHOD: TalkerDecodeGemvConfig,
+    }
     for name, cls in configs.items():
         register_quantization_config(name)(cls)
     return configs
