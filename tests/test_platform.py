@@ -353,19 +353,35 @@ def test_serve_command_fills_cpu_defaults(tiny_model_dir, tmp_path, monkeypatch)
     assert [st.get("quantization") for st in written["stages"]] == ["omni_cpu_talker_w8_plain", None]
 
 
-def test_serve_compiles_the_predictor_unless_told_otherwise(monkeypatch):
-    monkeypatch.delenv("VLLM_OMNI_PREDICTOR_COMPILE", raising=False)
-    assert serving.serve_defaults() == {"VLLM_OMNI_PREDICTOR_COMPILE": "step"}
-    assert serving.serve_defaults({"VLLM_OMNI_PREDICTOR_COMPILE": ""}) == serving.SERVE_DEFAULTS
-    for mine in ("off", "step"):
-        assert serving.serve_defaults({"VLLM_OMNI_PREDICTOR_COMPILE": mine}) == {}
-    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_COMPILE", "off")
-    assert serving.serve_defaults() == {}
-    # The flag's own default (plain `vllm serve`, the library) stays eager.
-    monkeypatch.delenv("VLLM_OMNI_PREDICTOR_COMPILE")
+def test_serve_compiles_the_predictor_and_streams_code2wav_unless_told_otherwise(monkeypatch):
     from omni_cpu_fastpath import envs
 
+    theirs = {
+        "VLLM_OMNI_PREDICTOR_COMPILE": "step",
+        "VLLM_OMNI_CODE2WAV_FAST": "auto",
+        "VLLM_OMNI_CODE2WAV_STREAMING": "1",
+    }
+    for name in [*theirs, "VLLM_OMNI_CPU_FASTPATH"]:
+        monkeypatch.delenv(name, raising=False)
+    assert serving.serve_defaults() == theirs
+    assert serving.serve_defaults({"VLLM_OMNI_PREDICTOR_COMPILE": ""}) == serving.SERVE_DEFAULTS == theirs
+    for mine in ("off", "step"):
+        added = serving.serve_defaults({"VLLM_OMNI_PREDICTOR_COMPILE": mine})
+        assert "VLLM_OMNI_PREDICTOR_COMPILE" not in added
+    assert serving.serve_defaults({"VLLM_OMNI_CODE2WAV_STREAMING": "0"}) == {
+        "VLLM_OMNI_PREDICTOR_COMPILE": "step",
+        "VLLM_OMNI_CODE2WAV_FAST": "auto",
+    }
+    monkeypatch.setenv("VLLM_OMNI_PREDICTOR_COMPILE", "off")
+    assert "VLLM_OMNI_PREDICTOR_COMPILE" not in serving.serve_defaults()
+    # Settings of the fast path: none beside its off switch, where the stock stages serve.
+    assert serving.serve_defaults({"VLLM_OMNI_CPU_FASTPATH": "0"}) == {}
+    # Each flag's own default (plain `vllm serve`, the library, the bit-equality tests) stays off.
+    for name in theirs:
+        monkeypatch.delenv(name, raising=False)
     assert envs.get("VLLM_OMNI_PREDICTOR_COMPILE") == "off"
+    assert envs.get("VLLM_OMNI_CODE2WAV_STREAMING") is False
+    assert envs.raw("VLLM_OMNI_CODE2WAV_FAST") == "0"
 
 
 def test_serve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path):

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -308,7 +309,7 @@ def bench_impl(
         "VLLM_OMNI_STEP_STATS_DIR": str(stats_dir),
     }
     if impl == "fast":
-        env.update(commands.serve_defaults())  # what `serve` serves
+        env.update(commands.serve_defaults({**os.environ, **env}))  # what `serve` serves
     else:
         # Stock is the fast path's off switch, which refuses the fast path's own settings beside
         # it (say, exported for the fast row): their defaults here.

@@ -118,15 +118,26 @@ def _vllm_executable() -> str:
 
 
 # What ``serve`` sets where the environment does not (and so the demo and ``bench serve``, which
-# show what it serves): the compiled predictor step. Around the few-row kernel a warm start adds
-# seconds (``omni-cpu-fastpath warmup MODEL`` fills the cache ahead of the first); plain
-# ``vllm serve`` and the library keep each flag's own default.
-SERVE_DEFAULTS: dict[str, str] = {"VLLM_OMNI_PREDICTOR_COMPILE": "step"}
+# show what it serves): the compiled predictor step (around the few-row kernel a warm start adds
+# seconds; ``omni-cpu-fastpath warmup MODEL`` fills the cache ahead of the first), and code2wav's
+# fast decoder and streaming vocoder in the stage's dtype (each within rounding of the stock
+# decoder, not bit-equal to it). Plain ``vllm serve`` and the library keep each flag's own default,
+# which the bit-equality tests against stock hold.
+SERVE_DEFAULTS: dict[str, str] = {
+    "VLLM_OMNI_PREDICTOR_COMPILE": "step",
+    "VLLM_OMNI_CODE2WAV_FAST": "auto",
+    "VLLM_OMNI_CODE2WAV_STREAMING": "1",
+}
 
 
 def serve_defaults(environ: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The :data:`SERVE_DEFAULTS` that ``environ`` (default: this process's) leaves unset."""
+    """The :data:`SERVE_DEFAULTS` that ``environ`` (default: this process's) leaves unset; none
+    where it turns the fast path off (they are its settings: the stock stages would not read them)."""
+    from omni_cpu_fastpath import envs
+
     environ = os.environ if environ is None else environ
+    if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
+        return {}
     return {name: value for name, value in SERVE_DEFAULTS.items() if not environ.get(name)}
 
 
