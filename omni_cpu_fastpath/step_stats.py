@@ -36,7 +36,7 @@ import json
 import os
 import time
 from array import array
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -316,27 +316,69 @@ def summarize_dir(
     server's warm-up requests.
     """
     path = Path(directory)
-    if not path.is_dir():
-        raise StepStatsError(f"{str(path)!r} is not a folder of step stats")
-    files = sorted(f for f in path.glob("*.jsonl") if not f.name.endswith(CODES_SUFFIX))
-    if not files:
+    if path.is_dir() and not any(f for f in path.glob("*.jsonl") if not f.name.endswith(CODES_SUFFIX)):
         raise StepStatsError(f"{str(path)!r} holds no step-stats files (*.jsonl)")
     pooled: dict[str, list[float]] = {}
-    for file in files:
+    for entry in _entries(path, since):
+        for name, vals in entry["values"].items():
+            pooled.setdefault(name, []).extend(vals)
+    return {name: summarize(vals) for name, vals in sorted(pooled.items())}
+
+
+# code2wav's decoder forward (recorded by its stage, ``qwen3_tts/code2wav.py``).
+CODE2WAV_FORWARD = "code2wav.forward_ms"
+# A talker step's own timers: its line's time less their sum is when the step started.
+_STEP_PARTS = (MODEL_FORWARD, MODEL_TALKER_MTP, MODEL_SAMPLE, ENGINE_GAP)
+
+
+def split_by_code2wav(
+    directory: str | os.PathLike[str], since: float | None = None
+) -> dict[str, dict[str, dict[str, float]]]:
+    """The talker's steps that made a frame (``model.talker_mtp_ms``), split by whether a code2wav
+    decode ran during them: ``{"alone": {counter: summary}, "beside": {...}}`` for the talker
+    forward and talker MTP, so that a stage's served time can be told apart from the cost of the
+    two stages meeting on the same cores.
+
+    A step spans its timers and engine gap back from its line's time (lines are written as a step
+    ends), a decode its ``code2wav.forward_ms`` back from its line's; ``since`` as for
+    :func:`summarize_dir`.
+    """
+    steps: list[tuple[float, float, dict[str, list[float]]]] = []
+    decodes: list[tuple[float, float]] = []
+    for entry in _entries(directory, since):
+        values, end = entry["values"], float(entry["ts"])
+        for ms in values.get(CODE2WAV_FORWARD, []):
+            decodes.append((end - ms / 1e3, end))
+        if MODEL_TALKER_MTP in values:
+            span = sum(sum(values.get(name, [])) for name in _STEP_PARTS) / 1e3
+            steps.append((end - span, end, values))
+    pooled: dict[str, dict[str, list[float]]] = {"alone": {}, "beside": {}}
+    for start, end, values in steps:
+        beside = any(d_start < end and start < d_end for d_start, d_end in decodes)
+        half = pooled["beside" if beside else "alone"]
+        for name in (MODEL_FORWARD, MODEL_TALKER_MTP):
+            half.setdefault(name, []).extend(values.get(name, []))
+    return {k: {name: summarize(v) for name, v in half.items()} for k, half in pooled.items()}
+
+
+def _entries(directory: str | os.PathLike[str], since: float | None) -> Iterator[dict[str, Any]]:
+    """Every step line of a stats folder (``since``: ended at or after it)."""
+    path = Path(directory)
+    if not path.is_dir():
+        raise StepStatsError(f"{str(path)!r} is not a folder of step stats")
+    for file in sorted(f for f in path.glob("*.jsonl") if not f.name.endswith(CODES_SUFFIX)):
         with open(file) as fh:
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
                 try:
                     entry = json.loads(line)
-                    values = entry["values"]
+                    entry["values"].items()
                     if since is not None and float(entry["ts"]) < since:
                         continue
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
                     raise StepStatsError(f"{file}:{lineno}: not a step-stats line ({exc})") from exc
-                for name, vals in values.items():
-                    pooled.setdefault(name, []).extend(vals)
-    return {name: summarize(vals) for name, vals in sorted(pooled.items())}
+                yield entry
 
 
 def served_dir(directory: str | os.PathLike[str]) -> dict[str, dict[str, str]]:

@@ -91,6 +91,60 @@ def test_stage_table_from_hand_built_folders(tmp_path: Path) -> None:
     assert "engine gap" in text and "30.0%" in text  # code2wav: 24 of 80 ms
 
 
+def test_talker_steps_split_by_a_code2wav_decode_beside_them(tmp_path: Path) -> None:
+    # Each talker line is written as its step ends: the step spans its timers and gap back from
+    # there. A: [200.945, 201.0], B: [201.875, 202.0], C: [202.935, 203.0] (seconds).
+    step = {"model.sample_ms": [1.0]}
+    _write_lines(
+        tmp_path / "21.jsonl",
+        21,
+        [
+            (150.0, {"model.forward_ms": [999.0], "model.talker_mtp_ms": [999.0]}),  # warm-up
+            (200.5, {"model.forward_ms": [300.0], "engine.gap_ms": [1.0]}),  # no frame made
+            (
+                201.0,
+                {**step, "model.forward_ms": [10.0], "model.talker_mtp_ms": [40.0], "engine.gap_ms": [4.0]},
+            ),
+            (
+                202.0,
+                {**step, "model.forward_ms": [20.0], "model.talker_mtp_ms": [100.0], "engine.gap_ms": [4.0]},
+            ),
+            (
+                203.0,
+                {**step, "model.forward_ms": [12.0], "model.talker_mtp_ms": [50.0], "engine.gap_ms": [2.0]},
+            ),
+        ],
+    )
+    # Decodes [201.8, 201.9] (inside B's span only) and [202.4, 202.5] (between B and C).
+    _write_lines(
+        tmp_path / "22.jsonl",
+        22,
+        [
+            (150.0, {"code2wav.forward_ms": [5000.0]}),  # beside the warm-up step: left out
+            (201.9, {"code2wav.forward_ms": [100.0]}),
+            (202.5, {"code2wav.forward_ms": [100.0]}),
+        ],
+    )
+    split = step_stats.split_by_code2wav(tmp_path, since=200.0)
+    alone, beside = split["alone"], split["beside"]
+    assert alone["model.talker_mtp_ms"]["count"] == 2 and beside["model.talker_mtp_ms"]["count"] == 1
+    assert alone["model.forward_ms"]["mean"] == pytest.approx(11.0)
+    assert alone["model.talker_mtp_ms"]["mean"] == pytest.approx(45.0)
+    assert beside["model.forward_ms"]["p50"] == 20.0 and beside["model.talker_mtp_ms"]["p50"] == 100.0
+    text = serve.format_code2wav_split(split)
+    assert "beside a code2wav decode" in text and "100.0" in text
+    # Without since, the warm-up step and its decode count too.
+    everything = step_stats.split_by_code2wav(tmp_path)
+    assert everything["beside"]["model.talker_mtp_ms"]["count"] == 2
+    assert everything["beside"]["model.forward_ms"]["max"] == 999.0
+    assert everything["alone"]["model.talker_mtp_ms"]["count"] == 2
+    # No code2wav line at all: every step is alone, and the other half reads as dashes.
+    (tmp_path / "22.jsonl").unlink()
+    no_decodes = step_stats.split_by_code2wav(tmp_path, since=200.0)
+    assert no_decodes["alone"]["model.talker_mtp_ms"]["count"] == 3 and not no_decodes["beside"]
+    assert serve.format_code2wav_split(no_decodes).splitlines()[2].split()[-3:] == ["0", "-", "-"]
+
+
 def test_absent_counters_read_as_dash(tmp_path: Path) -> None:
     # A stock run without the code2wav timer, nor a gap (an older runner).
     _write_lines(tmp_path / "1.jsonl", 1, [(1.0, {"model.forward_ms": [8.0]})])

@@ -203,6 +203,20 @@ def format_stage_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def format_code2wav_split(split: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The talker's steps with and without a code2wav decode beside them, median ms per step."""
+    out = [f"  {'talker steps, median ms a step':<34} {'steps':>6} {'forward':>9} {'predictor':>9}"]
+    for half, label in (("alone", "with no code2wav decode beside"), ("beside", "beside a code2wav decode")):
+        counters = split.get(half, {})
+        mtp = counters.get(step_stats.MODEL_TALKER_MTP, {})
+        forward = counters.get(step_stats.MODEL_FORWARD, {})
+        count = int(mtp.get("count", 0))
+        medians = (forward.get("p50") if count else None, mtp.get("p50") if count else None)
+        cells = " ".join(_cell(m, ".1f") for m in medians)
+        out.append(f"  {label:<34} {count:>6} {cells}")
+    return "\n".join(out)
+
+
 # --- floors ------------------------------------------------------------------------------------
 
 
@@ -360,6 +374,7 @@ def bench_impl(
         "audio_frames": audio_frames,
         "stats_dir": str(stats_dir),
         "summary": summary,
+        "beside_code2wav": step_stats.split_by_code2wav(stats_dir, since=measured_from),
         "processes": procs,
         "served": step_stats.served_dir(stats_dir),
     }
@@ -474,6 +489,7 @@ def cli(args: argparse.Namespace) -> int:
             "code2wav runs in its own process beside the talker)"
         )
         print(format_stage_table(r["stages"]))
+        print(format_code2wav_split(r["beside_code2wav"]))
         print(f"\n{r['impl']}: where the cores went while the requests ran")
         print(cores.format_cores_table(r["processes"]))
     print(
