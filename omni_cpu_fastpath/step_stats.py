@@ -59,6 +59,8 @@ ENGINE_TOKENS = "engine.scheduled_tokens"
 # Torch threads of each talker engine step where code2wav shares the talker's cores
 # (serving/core_sharing.py): 1 while stepped down.
 TALKER_THREADS = "talker.threads"
+# code2wav's decoder forward (``qwen3_tts/code2wav.py``).
+CODE2WAV_FORWARD = "code2wav.forward_ms"
 # Engine steps of a stage that scheduled nothing (all its requests waiting for input), counted by
 # the CPU generation runner and recorded with the next step that ran something.
 ENGINE_EMPTY_STEPS = "engine.empty_steps"
@@ -325,8 +327,6 @@ def summarize_dir(
     return {name: summarize(vals) for name, vals in sorted(pooled.items())}
 
 
-# code2wav's decoder forward (recorded by its stage, ``qwen3_tts/code2wav.py``).
-CODE2WAV_FORWARD = "code2wav.forward_ms"
 # A talker step's own timers: its line's time less their sum is when the step started.
 _STEP_PARTS = (MODEL_FORWARD, MODEL_TALKER_MTP, MODEL_SAMPLE, ENGINE_GAP)
 
@@ -373,10 +373,11 @@ def _entries(directory: str | os.PathLike[str], since: float | None) -> Iterator
                     continue
                 try:
                     entry = json.loads(line)
-                    entry["values"].items()
+                    if not isinstance(entry["values"], dict):
+                        raise TypeError("its values are not a mapping")
                     if since is not None and float(entry["ts"]) < since:
                         continue
-                except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as exc:
+                except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                     raise StepStatsError(f"{file}:{lineno}: not a step-stats line ({exc})") from exc
                 yield entry
 

@@ -69,7 +69,7 @@ STAGES: tuple[tuple[str, str, str | None], ...] = (
     ("predictor (talker MTP)", step_stats.MODEL_TALKER_MTP, "predictor"),
     ("sampler", step_stats.MODEL_SAMPLE, None),
     ("engine gap", step_stats.ENGINE_GAP, None),
-    ("code2wav", "code2wav.forward_ms", "code2wav"),
+    ("code2wav", step_stats.CODE2WAV_FORWARD, "code2wav"),
 )
 LOG_TAIL_LINES = 80  # of a failed server's log, printed before the error
 TALKER_STAGES = 4  # the first four run one after another in the talker process

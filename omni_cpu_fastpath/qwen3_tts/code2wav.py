@@ -50,7 +50,7 @@ from omni_cpu_fastpath.serving.stage_settings import cpu_has_native_bf16
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
-FORWARD_MS = "code2wav.forward_ms"
+FORWARD_MS = step_stats.CODE2WAV_FORWARD
 FRAMES_DECODED = "code2wav.frames_decoded"
 FRAMES_EMITTED = "code2wav.frames_emitted"
 TRANSFORMER_FRAMES = "code2wav.transformer_frames"
