@@ -11,16 +11,17 @@
  * bound the time, which is why the wider registers pay where the CPU has them. A bf16 (or int8)
  * weight times a bf16 activation is exact in float32, so only the summation order differs from
  * torch's, and each row is summed in the same order whatever its batch neighbours and the thread
- * count, so batching never changes a row's result (the order differs between the AVX2 and the
- * AVX-512 path, which one CPU always takes the same way).
+ * count, so batching never changes a row's result (the order differs between the AVX2, AVX-512
+ * and AVX512-BF16 paths, which one CPU always takes the same way). Where the CPU has AVX512-BF16,
+ * bf16 activations skip the widening: see the AVX512-BF16 path below.
  *
  *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa)
  *
  * Pointers arrive as integers from cpu_gemv.py, which checks dtypes, shapes and contiguity. x is
  * [rows, k] (bf16 or float32); w is [n, k] with row stride ldw, int8 (w_kind 0) or bf16 (1);
  * scale is [n] (bf16 or float32), or 0 for none; y is [rows, n] (bf16, rounded to nearest even,
- * or float32); isa is the widest instruction set to use: 0 none, 1 AVX2, 2 AVX-512 (simd() says
- * which this CPU has). Blocks of output channels go to `threads` OpenMP threads (torch's own
+ * or float32); isa is the widest instruction set to use: 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512
+ * and, for bf16 x, AVX512-BF16 (simd() says which this CPU has). Blocks of output channels go to `threads` OpenMP threads (torch's own
  * runtime once torch is loaded) in guided chunks: long runs of consecutive weight rows, which the
  * hardware prefetcher streams (runs of one small block each, handed out one at a time, left half
  * the bandwidth unused), shrinking towards the end so that a thread that lost its core for a
@@ -74,9 +75,9 @@ __attribute__((target("avx2,fma"))) static inline __m256 widen8_bf16(const void 
 
 /* Portable path (no AVX2): one output channel for `rows` rows of x, a plain loop. */
 #define DEFINE_SCALAR(KIND)                                                                          \
-    static void scalar_##KIND(const float *x, int rows, Py_ssize_t k, const void *w, float *acc) {   \
+    static void scalar_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, float *acc) {    \
         for (int m = 0; m < rows; m++) {                                                             \
-            const float *xm = x + (Py_ssize_t)m * k;                                                 \
+            const float *xm = (const float *)x + (Py_ssize_t)m * k;                                  \
             float s = 0.0f;                                                                          \
             for (Py_ssize_t i = 0; i < k; i++) s += load_##KIND(w, i) * xm[i];                       \
             acc[m] = s;                                                                              \
@@ -134,7 +135,7 @@ __attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w,
     DEFINE_GROUP(ISA, 2, KIND, OPS)                                                                  \
     DEFINE_GROUP(ISA, 3, KIND, OPS)                                                                  \
     DEFINE_GROUP(ISA, 4, KIND, OPS)                                                                  \
-    static void ISA##_##KIND(const float *x, int rows, Py_ssize_t k, const void *w, float *acc) {    \
+    static void ISA##_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, float *acc) {     \
         switch (rows) {                                                                              \
             case 1: ISA##_group1_##KIND(x, k, w, acc); break;                                        \
             case 2: ISA##_group2_##KIND(x, k, w, acc); break;                                        \
@@ -147,19 +148,124 @@ DEFINE_KIND(avx2, bf16, AVX2_OPS)
 DEFINE_KIND(avx512, i8, AVX512_OPS)
 DEFINE_KIND(avx512, bf16, AVX512_OPS)
 
-typedef void (*channel_fn)(const float *x, int rows, Py_ssize_t k, const void *w, float *acc);
 
-/* The widest instruction set this CPU runs: 0 none, 1 AVX2 with FMA, 2 AVX-512F as well. Read
- * once, at import (PyInit), not on every product. */
+/* AVX512-BF16 path, for bf16 activations only (a float32 x would first be rounded): vdpbf16ps
+ * multiplies 32 bf16 pairs and adds each pair's two products to a float32 lane: one instruction
+ * for 32 weights, where the AVX-512 path spends three on 16. A bf16 weight goes in as it is. An int8
+ * weight is exact in bf16 (|v| <= 128 needs 8 significant bits); its bf16 bytes come from two
+ * 128-entry byte tables indexed by |v| (AVX512-VBMI vpermi2b), 64 weights per lookup, then
+ * interleaved into words lane by lane (vpunpck[lh]bw). That interleave puts the weights of each
+ * 16-byte lane in two halves, so x is handed over permuted the same way (permute64). The
+ * instruction rounds each sum to float32 and treats bf16 subnormals as zero. */
+#define AVX512BF16 "avx512f,avx512bw,avx512vbmi,avx512bf16"
+
+/* Bytes of bf16(a) for a = 0..127. hi[0] is 128's (0x43): |-128| reads index 0, and a zero
+ * weight is masked to 0 instead. */
+static uint8_t BF16_LO[128] __attribute__((aligned(64))), BF16_HI[128] __attribute__((aligned(64)));
+
+static void init_bf16_tables(void) {
+    for (int a = 0; a < 128; a++) {
+        uint16_t h = float_to_bf16((float)(a ? a : 128));
+        BF16_LO[a] = a ? (uint8_t)(h & 0xff) : 0;
+        BF16_HI[a] = (uint8_t)(h >> 8);
+    }
+}
+
+/* 64 int8 weights as bf16: weights 16L+0..7 of each 16-byte lane L in *a, 16L+8..15 in *b. */
+__attribute__((target(AVX512BF16))) static inline void widen64_i8(const __m512i t[4], const void *w, __m512i *a,
+                                                                   __m512i *b) {
+    __m512i v = _mm512_loadu_si512(w);
+    __mmask64 nonzero = _mm512_test_epi8_mask(v, v);
+    __m512i mag = _mm512_abs_epi8(v);
+    __m512i lo = _mm512_permutex2var_epi8(t[0], mag, t[1]);
+    __m512i hi = _mm512_maskz_permutex2var_epi8(nonzero, t[2], mag, t[3]);
+    hi = _mm512_ternarylogic_epi32(hi, v, _mm512_set1_epi8((char)0x80), 0xf8); /* hi | (v & sign) */
+    *a = _mm512_unpacklo_epi8(lo, hi);
+    *b = _mm512_unpackhi_epi8(lo, hi);
+}
+
+/* x in widen64_i8's order: per block of 64, its first then its second halves of each lane. */
+static void permute64(const uint16_t *x, Py_ssize_t k, uint16_t *out) {
+    Py_ssize_t kb = k - k % 64;
+    for (Py_ssize_t i = 0; i < kb; i += 64)
+        for (int p = 0; p < 32; p++) {
+            out[i + p] = x[i + 16 * (p / 8) + p % 8];
+            out[i + 32 + p] = x[i + 16 * (p / 8) + 8 + p % 8];
+        }
+    for (Py_ssize_t i = kb; i < k; i++) out[i] = x[i];
+}
+
+#define DP(acc, w, x) _mm512_dpbf16_ps(acc, (__m512bh)(w), (__m512bh)_mm512_loadu_si512(x))
+
+/* 64 bf16 weights as they are, in the same two halves as widen64_i8 would make (any split
+ * pairs x and w alike, since x is handed over in its own order for bf16 weights). */
+__attribute__((target(AVX512BF16))) static inline void widen64_bf16(const __m512i t[4], const void *w, __m512i *a,
+                                                                     __m512i *b) {
+    (void)t;
+    *a = _mm512_loadu_si512(w);
+    *b = _mm512_loadu_si512((const uint16_t *)w + 32);
+}
+
+/* One output channel for R rows of bf16 x: blocks of 64 weights into two accumulators per row,
+ * the last k % 64 one by one. */
+#define DEFINE_BF16DOT(R, KIND, WSIZE)                                                               \
+    __attribute__((target(AVX512BF16))) static void bf16dot_group##R##_##KIND(                         \
+        const uint16_t *x, Py_ssize_t k, const void *w, float *acc) {                                \
+        const __m512i t[4] = {_mm512_load_si512(BF16_LO), _mm512_load_si512(BF16_LO + 64),           \
+                              _mm512_load_si512(BF16_HI), _mm512_load_si512(BF16_HI + 64)};          \
+        __m512 a[R], b[R];                                                                           \
+        for (int m = 0; m < R; m++) a[m] = b[m] = _mm512_setzero_ps();                               \
+        Py_ssize_t kb = k - k % 64;                                                                  \
+        for (Py_ssize_t i = 0; i < kb; i += 64) {                                                    \
+            __m512i w0, w1;                                                                          \
+            widen64_##KIND(t, (const char *)w + i * WSIZE, &w0, &w1);                                \
+            for (int m = 0; m < R; m++) {                                                            \
+                const uint16_t *xm = x + (Py_ssize_t)m * k + i;                                      \
+                a[m] = DP(a[m], w0, xm);                                                             \
+                b[m] = DP(b[m], w1, xm + 32);                                                        \
+            }                                                                                        \
+        }                                                                                            \
+        for (int m = 0; m < R; m++) {                                                                \
+            float s = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));                               \
+            for (Py_ssize_t j = kb; j < k; j++) s += load_##KIND(w, j) * bf16_to_float(x[m * k + j]); \
+            acc[m] = s;                                                                              \
+        }                                                                                            \
+    }
+#define DEFINE_BF16DOT_ROWS(R) DEFINE_BF16DOT(R, i8, 1) DEFINE_BF16DOT(R, bf16, 2)
+DEFINE_BF16DOT_ROWS(1)
+DEFINE_BF16DOT_ROWS(2)
+DEFINE_BF16DOT_ROWS(3)
+DEFINE_BF16DOT_ROWS(4)
+
+#define DEFINE_BF16DOT_KIND(KIND)                                                                    \
+    static void bf16dot_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, float *acc) {   \
+        switch (rows) {                                                                              \
+            case 1: bf16dot_group1_##KIND(x, k, w, acc); break;                                      \
+            case 2: bf16dot_group2_##KIND(x, k, w, acc); break;                                      \
+            case 3: bf16dot_group3_##KIND(x, k, w, acc); break;                                      \
+            default: bf16dot_group4_##KIND(x, k, w, acc); break;                                     \
+        }                                                                                            \
+    }
+DEFINE_BF16DOT_KIND(i8)
+DEFINE_BF16DOT_KIND(bf16)
+
+typedef void (*channel_fn)(const void *x, int rows, Py_ssize_t k, const void *w, float *acc);
+
+/* The widest instruction set this CPU runs: 0 none, 1 AVX2 with FMA, 2 AVX-512F as well, 3 also
+ * AVX512-BW, -VBMI and -BF16. Read once, at import (PyInit), not on every product. */
 static int cpu_isa = 0;
 
 static int detect_isa(void) {
     __builtin_cpu_init();
     if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))) return 0;
-    return __builtin_cpu_supports("avx512f") ? 2 : 1;
+    if (!__builtin_cpu_supports("avx512f")) return 1;
+    return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vbmi") &&
+                   __builtin_cpu_supports("avx512bf16")
+               ? 3
+               : 2;
 }
 
-static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512"};
+static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512", "avx512bf16"};
 
 static PyObject *gemv(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, scale_addr, y_addr;
@@ -176,20 +282,27 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                      MAX_ROWS, cpu_isa);
         return NULL;
     }
-    static const channel_fn CHANNELS[3][2] = {
-        {scalar_i8, scalar_bf16}, {avx2_i8, avx2_bf16}, {avx512_i8, avx512_bf16}};
+    static const channel_fn CHANNELS[4][2] = {{scalar_i8, scalar_bf16},
+                                              {avx2_i8, avx2_bf16},
+                                              {avx512_i8, avx512_bf16},
+                                              {bf16dot_i8, bf16dot_bf16}};
+    if (isa == 3 && !x_bf16) isa = 2; /* vdpbf16ps would round a float32 x */
     const channel_fn channel = CHANNELS[isa][w_kind];
     const size_t wsize = w_kind == 0 ? 1 : 2;
     const char *w = (const char *)(uintptr_t)w_addr;
-    float *xf = NULL;
-    const float *x = (const float *)(uintptr_t)x_addr;
-    if (x_bf16) {
-        /* 64-byte aligned: a 512-bit load that straddles two cache lines costs two. */
-        xf = aligned_alloc(64, (sizeof(float) * (size_t)rows * (size_t)k + 63) & ~(size_t)63);
-        if (!xf) return PyErr_NoMemory();
-        const uint16_t *xb = (const uint16_t *)(uintptr_t)x_addr;
-        for (Py_ssize_t i = 0; i < (Py_ssize_t)rows * k; i++) xf[i] = bf16_to_float(xb[i]);
-        x = xf;
+    void *copy = NULL; /* x as the channel function reads it, where that is not x itself */
+    const void *x = (const void *)(uintptr_t)x_addr;
+    const uint16_t *xb = (const uint16_t *)(uintptr_t)x_addr;
+    /* 64-byte aligned: a 512-bit load that straddles two cache lines costs two. */
+    const size_t xsize = isa == 3 ? sizeof(uint16_t) : sizeof(float);
+    if (x_bf16 && !(isa == 3 && w_kind == 1)) {
+        copy = aligned_alloc(64, (xsize * (size_t)rows * (size_t)k + 63) & ~(size_t)63);
+        if (!copy) return PyErr_NoMemory();
+        if (isa == 3)
+            for (int m = 0; m < rows; m++) permute64(xb + (Py_ssize_t)m * k, k, (uint16_t *)copy + (Py_ssize_t)m * k);
+        else
+            for (Py_ssize_t i = 0; i < (Py_ssize_t)rows * k; i++) ((float *)copy)[i] = bf16_to_float(xb[i]);
+        x = copy;
     }
     const Py_ssize_t blocks = (n + BLOCK_N - 1) / BLOCK_N;
     Py_BEGIN_ALLOW_THREADS
@@ -201,7 +314,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
          * block's weights, read from memory by the first group, come from cache for the next. */
         for (int r = 0; r < rows; r += GROUP) {
             int g = rows - r < GROUP ? rows - r : GROUP;
-            const float *xr = x + (Py_ssize_t)r * k;
+            const char *xr = (const char *)x + (size_t)r * (size_t)k * xsize;
             for (Py_ssize_t j = b * BLOCK_N; j < end; j++) {
                 channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize, acc);
                 float s = 1.0f;
@@ -220,7 +333,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         }
     }
     Py_END_ALLOW_THREADS
-    free(xf);
+    free(copy);
     Py_RETURN_NONE;
 }
 
@@ -238,5 +351,6 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cpu_gemv", NULL, -1
 
 PyMODINIT_FUNC PyInit__cpu_gemv(void) {
     cpu_isa = detect_isa();
+    init_bf16_tables();
     return PyModule_Create(&module);
 }

@@ -3,11 +3,12 @@
 ``y = (x @ w.T) * scale`` for 1 to :data:`MAX_ROWS` rows of bf16 or float32 ``x`` and int8
 (per-output-channel ``scale``) or bf16 weights ``w``: the decode steps of the talker and the code
 predictor. The kernel streams each weight row once for every row of ``x`` (AVX-512 or AVX2 where
-the CPU has it, ``VLLM_OMNI_CPU_GEMV_ISA`` caps it), where torch's kernels for the same products
-run far above the weight-streaming floor on CPUs without AVX-512 (ATen's ``_weight_int8pack_mm``
-vectorizes only with AVX-512; bf16 products are emulated without AVX512-BF16). Products are exact
-in float32; only the summation order differs from torch's, and a row's result does not depend on
-its batch neighbours or the thread count.
+the CPU has it, and AVX512-BF16's ``vdpbf16ps`` for bf16 ``x``; ``VLLM_OMNI_CPU_GEMV_ISA`` caps
+it), where torch's kernels for the same products run far above the weight-streaming floor
+(ATen's ``_weight_int8pack_mm`` vectorizes only with AVX-512 and widens every weight to float32;
+bf16 products are emulated without AVX512-BF16). Products are exact in float32; only the
+summation order differs from torch's, and a row's result does not depend on its batch neighbours
+or the thread count.
 
 Eager calls take :func:`gemv`; a compiled graph calls :func:`gemv_op`, the same kernel as an
 opaque op (any row count, in blocks of :data:`MAX_ROWS`), so its weights stay graph inputs. A
@@ -33,8 +34,9 @@ MAX_ROWS = 8
 _ACTIVATIONS = (torch.bfloat16, torch.float32)
 _WEIGHT_KINDS = {torch.int8: 0, torch.bfloat16: 1}
 _OFF = "torch's kernels (VLLM_OMNI_CPU_GEMV=0)"
-_ISA_CAPS = {"auto": 2, "avx2": 1, "scalar": 0}  # the kernel's isa argument: 0 none, 1 AVX2, 2 AVX-512
-_ISA_NAMES = ("scalar", "avx2", "avx512")
+# The kernel's isa argument: 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512 with vdpbf16ps for bf16 activations.
+_ISA_CAPS = {"auto": 3, "avx512": 2, "avx2": 1, "scalar": 0}
+_ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 
 
 @functools.cache
@@ -59,7 +61,18 @@ def _extension() -> tuple[Any, str]:
     if error is not None:
         logger.warning("few-row products: the C kernel disagrees with float64 (%s); torch serves them", error)
         return None, f"torch's kernels (the C kernel failed its check: {error})"
-    return _cpu_gemv, f"C kernel ({_ISA_NAMES[_isa()]}) for 1-{MAX_ROWS} rows"
+    return _cpu_gemv, f"{kernel_name()} for 1-{MAX_ROWS} rows"
+
+
+def kernel_name() -> str:
+    """The kernel and the instruction set it takes, in words: ``C kernel (avx512bf16)``."""
+    return f"C kernel ({_ISA_NAMES[_isa()]})"
+
+
+def multiplies_bf16_natively() -> bool:
+    """Whether the kernel multiplies bf16 activations by ``vdpbf16ps`` (AVX512-BF16), which a
+    caller's row cap depends on: many fewer instructions per weight than widening to float32."""
+    return _extension()[0] is not None and _isa() == _ISA_CAPS["auto"]
 
 
 def wanted() -> bool:
@@ -155,21 +168,23 @@ def _self_check(ext: Any) -> str | None:
     g = torch.Generator().manual_seed(0)
     f32 = torch.float32  # explicit: vLLM loads a model under its dtype as torch's default
     for rows, k, n in ((1, 1037, 70), (3, 64, 33), (8, 200, 17)):
-        x = torch.randn(rows, k, generator=g, dtype=f32)
         s = torch.rand(n, generator=g, dtype=f32) / 100
-        int8 = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        int8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        int8[0, :3] = torch.tensor([-128, 0, 127], dtype=torch.int8)  # the edges of the bf16 lookup
         bf16 = torch.randn(n, k, generator=g, dtype=f32).to(torch.bfloat16)
-        for (w, kind, scale), isa in itertools.product(
-            ((int8, 0, s), (bf16, 1, None)), range(ext.simd()[0] + 1)
+        x32 = torch.randn(rows, k, generator=g, dtype=f32)
+        for (w, kind, scale), x, isa in itertools.product(
+            ((int8, 0, s), (bf16, 1, None)), (x32, x32.to(torch.bfloat16)), range(ext.simd()[0] + 1)
         ):
             y = torch.empty(rows, n, dtype=f32)
             ptrs = (x.data_ptr(), w.data_ptr(), 0 if scale is None else scale.data_ptr(), y.data_ptr())
-            ext.gemv(ptrs[0], False, rows, k, ptrs[1], kind, k, n, ptrs[2], False, ptrs[3], False, 1, isa)
+            x_bf16 = x.dtype is torch.bfloat16
+            ext.gemv(ptrs[0], x_bf16, rows, k, ptrs[1], kind, k, n, ptrs[2], False, ptrs[3], False, 1, isa)
             sd = 1.0 if scale is None else scale.double()
             ref = (x.double() @ w.double().T) * sd
             # float32: k rounded products, k - 1 additions, the scale's product, each within 2^-24.
             bound = (k + 2) * 2.0**-24 * ((x.double().abs() @ w.double().abs().T) * sd) + 1e-30
             if not bool(((y.double() - ref).abs() <= bound).all()):
                 err = (y.double() - ref).abs().max().item()
-                return f"{w.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}: max error {err:.3g}"
+                return f"{w.dtype} x {x.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}: max error {err:.3g}"
     return None

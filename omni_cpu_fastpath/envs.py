@@ -143,9 +143,10 @@ FLAGS: dict[str, Flag] = {
             "choice",
             "auto",
             "The widest instruction set VLLM_OMNI_CPU_GEMV's kernel may use: auto (the widest this CPU "
-            "runs: AVX-512, else AVX2), avx2, scalar. The summation order, and so the last bits of "
-            "a product, differ between them.",
-            choices=("auto", "avx2", "scalar"),
+            "runs: AVX-512 with vdpbf16ps for bf16 activations where it has AVX512-BF16 and -VBMI, "
+            "else AVX-512, else AVX2), avx512, avx2, scalar. The summation order, and so the last "
+            "bits of a product, differ between them.",
+            choices=("auto", "avx512", "avx2", "scalar"),
         ),
         Flag(
             "VLLM_OMNI_PREDICTOR_THREADS",

@@ -43,7 +43,7 @@ class Fp32PrefillLinearMethod(UnquantizedLinearMethod):
 
     ``fp32_rows=None`` keeps every many-row call in vLLM's product (CPUs with native bf16, where
     only the decode rows gain): then only the few-row kernel differs from vLLM's method.
-    ``gemv_rows`` caps the rows the kernel takes (native bf16 products overtake it from two rows).
+    ``gemv_rows`` caps the rows the kernel takes (native bf16 products overtake it from a few rows).
     """
 
     def __init__(self, fp32_rows: int | None = FP32_ROWS, gemv_rows: int = cpu_gemv.MAX_ROWS) -> None:

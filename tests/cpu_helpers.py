@@ -16,8 +16,19 @@ def cpu_flags() -> set[str]:
 
 
 def widest_simd_by_cpuinfo() -> str:
-    """The widest instruction set the few-row kernel can take here: avx512, avx2 or scalar."""
+    """The widest instruction set the few-row kernel can take here: avx512bf16 (AVX-512 with
+    AVX512-BW, -VBMI and -BF16), avx512, avx2 or scalar."""
     flags = cpu_flags()
     if not {"avx2", "fma"} <= flags:
         return "scalar"
-    return "avx512" if "avx512f" in flags else "avx2"
+    if "avx512f" not in flags:
+        return "avx2"
+    return "avx512bf16" if {"avx512bw", "avx512vbmi", "avx512_bf16"} <= flags else "avx512"
+
+
+def decode_gemv_rows_by_cpuinfo() -> int:
+    """The rows ``VLLM_OMNI_TALKER_DECODE_GEMV`` hands the kernel here: 1-8 where bf16 is
+    emulated; where it is native, 1-2 if the kernel multiplies bf16 natively too, else 1."""
+    if not native_bf16_by_cpuinfo():
+        return 8
+    return 2 if widest_simd_by_cpuinfo() == "avx512bf16" else 1

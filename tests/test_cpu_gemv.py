@@ -40,7 +40,7 @@ def _reference_and_bound(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor | Non
     return ref, bound + 1e-30
 
 
-ISAS = ("scalar", "avx2", "avx512")  # the extension's isa argument: their index
+ISAS = ("scalar", "avx2", "avx512", "avx512bf16")  # the extension's isa argument: their index
 
 
 def test_the_kernel_is_built_and_checked_and_takes_the_widest_simd_of_this_cpu() -> None:
@@ -51,7 +51,9 @@ def test_the_kernel_is_built_and_checked_and_takes_the_widest_simd_of_this_cpu()
     assert cpu_gemv._extension()[0].simd() == (ISAS.index(widest), widest)
 
 
-@pytest.mark.parametrize("cap, bad", [("avx2", False), ("scalar", False), ("avx-512", True)])
+@pytest.mark.parametrize(
+    "cap, bad", [("avx512", False), ("avx2", False), ("scalar", False), ("avx-512", True)]
+)
 def test_the_isa_flag_caps_the_instruction_set_and_a_bad_value_is_named(cap: str, bad: bool) -> None:
     code = "from omni_cpu_fastpath import cpu_gemv\nprint(cpu_gemv.status())\n"
     env = {**os.environ, "VLLM_OMNI_CPU_GEMV_ISA": cap}
@@ -98,6 +100,27 @@ def test_every_simd_of_this_cpu_equals_float64_and_keeps_each_row_alone(isa: int
                 for rows in (2, 4, 5, 8):
                     got = _ext_gemv(isa, x[:rows], w, scales, threads)
                     assert torch.equal(got, alone[:rows]), (ISAS[isa], k, threads, rows)
+
+
+@pytest.mark.parametrize("isa", range(len(ISAS)))
+def test_every_int8_value_and_every_tail_width_is_exact_in_each_simd(isa: int) -> None:
+    """All 256 int8 values (the bf16 path looks each up in a byte table by magnitude, -128 and 0
+    are its edges) in every position of a 64-weight block, with bf16 and float32 activations
+    (float32 ones take the AVX-512 path there), on k that leave every tail length mod 64."""
+    if isa > ISAS.index(widest_simd_by_cpuinfo()):
+        return
+    values = torch.arange(-128, 128, dtype=torch.int16).to(torch.int8)
+    for k in (64, 128, 1, 31, 63, 65, 96, 191):
+        q = torch.stack([values.roll(j)[:k] for j in range(0, 256, 7)])
+        for x_dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(3, k, generator=torch.Generator().manual_seed(k)).to(x_dtype)
+            got = _ext_gemv(isa, x, q, None, 2)
+            ref, bound = _reference_and_bound(x, q, None, torch.float32)
+            assert bool(((got.double() - ref).abs() <= bound).all()), (ISAS[isa], k, x_dtype)
+    one_hot = torch.zeros(256, 256, dtype=torch.int8)  # each value alone: its product is exact
+    one_hot[torch.arange(256), torch.arange(256)] = values
+    got = _ext_gemv(isa, torch.ones(1, 256).to(torch.bfloat16), one_hot, None, 1)
+    assert torch.equal(got[0], values.float()), ISAS[isa]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
@@ -175,7 +198,7 @@ def test_bad_arguments_to_the_extension_raise_not_crash() -> None:
     y = torch.empty(1, 4)
     args = [x.data_ptr(), False, 1, 8, q.data_ptr(), 0, 8, 4, s.data_ptr(), False, y.data_ptr(), False, 1, 0]
     ext.gemv(*args)  # these are valid
-    for i, bad in ((2, 0), (2, 9), (3, 0), (5, 2), (5, -1), (6, 7), (7, 0), (12, 0), (13, -1), (13, 3)):
+    for i, bad in ((2, 0), (2, 9), (3, 0), (5, 2), (5, -1), (6, 7), (7, 0), (12, 0), (13, -1), (13, 4)):
         wrong = list(args)
         wrong[i] = bad
         with pytest.raises(ValueError, match="rows must be 1..8"):

@@ -206,16 +206,17 @@ def test_fast_decode_rows_through_the_kernel_prefill_as_stock_bf16(
 ) -> None:
     """``VLLM_OMNI_TALKER_DECODE_GEMV=1``: the talker's decode rows through the few-row kernel,
     its prompts through vLLM's product, so every request's first frame is stock's."""
-    from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
+    from cpu_helpers import decode_gemv_rows_by_cpuinfo, widest_simd_by_cpuinfo
 
     env = {**_fast_env("off"), "VLLM_OMNI_TALKER_DECODE_GEMV": "1"}
     run = serve_workload(tiny_model_dir, work, "fast-decode-gemv", env)
     _assert_fast(run, "off")
     layers = 2  # tiny
+    rows = decode_gemv_rows_by_cpuinfo()
     assert run.served["talker.prefill"] == (
         f"model dtype (bfloat16; {4 * layers} decoder linears; "
-        f"{'1 row' if native_bf16_by_cpuinfo() else '1-8 rows'}: "
-        f"C kernel ({widest_simd_by_cpuinfo()}) for 1-8 rows; other rows in bfloat16)"
+        f"{'1 row' if rows == 1 else f'1-{rows} rows'}: "
+        f"C kernel ({widest_simd_by_cpuinfo()}); other rows in bfloat16)"
     )
     names = [r[0] for r in SOLO + TRIO + TRIO_STREAM]
     assert sorted(run.audio) == sorted(names) and len(run.codes) == len(names)

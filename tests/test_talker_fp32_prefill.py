@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
+from cpu_helpers import decode_gemv_rows_by_cpuinfo, native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
 
 from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.serving import deploy_config, stage_settings
@@ -158,7 +158,7 @@ def test_prefill_is_no_further_from_fp32_than_the_bf16_talker(
     assert all(cls is UnquantizedLinearMethod for n, cls in methods.items() if n not in decoder)
     assert prefill.served_status(model, mcfg.quant_config, torch.bfloat16) == (
         f"fp32 from 16 rows ({4 * layers} decoder linears; 1-8 rows: "
-        f"C kernel ({widest_simd_by_cpuinfo()}) for 1-8 rows; other rows in bfloat16)"
+        f"C kernel ({widest_simd_by_cpuinfo()}); other rows in bfloat16)"
     )
     calls: list[int] = []
 
@@ -262,13 +262,14 @@ def test_decode_gemv_talker_prefills_as_the_bf16_talker(tiny_outlier_model_dir: 
     decoder = {n for n, m in methods.items() if isinstance(m, Fp32PrefillLinearMethod)}
     layers = len(model.model.layers)
     assert len(decoder) == 4 * layers and all(methods[n].fp32_rows is None for n in decoder)
-    # The kernel takes one row where this CPU multiplies bf16 natively, 1-8 where torch emulates.
-    native = native_bf16_by_cpuinfo()
-    assert {methods[n].gemv_rows for n in decoder} == {1 if native else 8}
+    # Where torch emulates bf16 the kernel takes 1-8 rows; where this CPU multiplies bf16
+    # natively, 1-2 if the kernel does too (vdpbf16ps), else one.
+    rows = decode_gemv_rows_by_cpuinfo()
+    assert {methods[n].gemv_rows for n in decoder} == {rows}
     assert all(type(m) is UnquantizedLinearMethod for n, m in methods.items() if n not in decoder)
     assert prefill.served_status(model, mcfg.quant_config, torch.bfloat16) == (
-        f"model dtype (bfloat16; {4 * layers} decoder linears; {'1 row' if native else '1-8 rows'}: "
-        f"C kernel ({widest_simd_by_cpuinfo()}) for 1-8 rows; other rows in bfloat16)"
+        f"model dtype (bfloat16; {4 * layers} decoder linears; {'1 row' if rows == 1 else f'1-{rows} rows'}: "
+        f"C kernel ({widest_simd_by_cpuinfo()}); other rows in bfloat16)"
     )
     embeds = talker_parity.make_embeds(bf16_model, 2, 32)
     want = talker_parity.teacher_forced_logits(bf16_model, bf16_cfg, embeds)

@@ -47,9 +47,12 @@ class TalkerDecodeGemvConfig(TalkerFp32PrefillConfig):
     fp32_rows = None
 
     def gemv_rows(self) -> int:
-        # Where the CPU multiplies bf16 natively, vLLM's product overtakes the kernel (which widens
-        # each weight to fp32) from two rows up; where it emulates bf16, the kernel wins at 1-8.
-        return 1 if cpu_has_native_bf16() else cpu_gemv.MAX_ROWS
+        # Where torch emulates bf16, the kernel wins at 1-8 rows. Where the CPU multiplies bf16
+        # natively, vLLM's product overtakes the kernel from a few rows: from three where the
+        # kernel multiplies bf16 natively too, from two where it widens each weight to fp32.
+        if not cpu_has_native_bf16():
+            return cpu_gemv.MAX_ROWS
+        return 2 if cpu_gemv.multiplies_bf16_natively() else 1
 
 
 def served_status(model: nn.Module, quant_config: Any, dtype: torch.dtype) -> str:
@@ -69,7 +72,7 @@ def served_status(model: nn.Module, quant_config: Any, dtype: torch.dtype) -> st
     if dtype is torch.bfloat16 and cpu_gemv.wanted():  # what each layer reads when it is processed
         rows = quant_config.gemv_rows()
         span = "1 row" if rows == 1 else f"1-{rows} rows"
-        fewer = f"{span}: {cpu_gemv.status()}; other rows in {name}"
+        fewer = f"{span}: {cpu_gemv.kernel_name()}; other rows in {name}"
     if quant_config.fp32_rows is None:
         if not cpu_gemv.wanted():
             fewer = f"every call in {name}: {cpu_gemv.status()}"
