@@ -126,8 +126,9 @@ FLAGS: dict[str, Flag] = {
             "VLLM_OMNI_TALKER_DECODE_GEMV",
             "bool",
             "0",
-            "1: the bf16 talker's decoder linears (int8 off) run calls of 1-8 rows (decode steps) "
-            "through VLLM_OMNI_CPU_GEMV's kernel also where its prefill stays in bf16 "
+            "1: the bf16 talker's decoder linears (int8 off) run decode steps (1-8 rows; one or "
+            "two where the CPU multiplies bf16 natively) through VLLM_OMNI_CPU_GEMV's kernel also where its "
+            "prefill stays in bf16 "
             "(VLLM_OMNI_TALKER_FP32_PREFILL off, as auto is on CPUs with native bf16). Not bit-equal "
             "to the stock talker; off with VLLM_OMNI_CPU_FASTPATH off (1 beside it is refused).",
         ),
