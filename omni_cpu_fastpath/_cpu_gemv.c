@@ -21,11 +21,11 @@
  * [rows, k] (bf16 or float32); w is [n, k] with row stride ldw, int8 (w_kind 0) or bf16 (1);
  * scale is [n] (bf16 or float32), or 0 for none; y is [rows, n] (bf16, rounded to nearest even,
  * or float32); isa is the widest instruction set to use: 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512
- * and, for bf16 x, AVX512-BF16 (simd() says which this CPU has). Blocks of output channels go to `threads` OpenMP threads (torch's own
- * runtime once torch is loaded) in guided chunks: long runs of consecutive weight rows, which the
- * hardware prefetcher streams (runs of one small block each, handed out one at a time, left half
- * the bandwidth unused), shrinking towards the end so that a thread that lost its core for a
- * while holds up the others by a small chunk only.
+ * and, for bf16 x, AVX512-BF16 (simd() says which this CPU has). Blocks of output channels go
+ * to `threads` OpenMP threads (torch's own runtime once torch is loaded) in guided chunks: long
+ * runs of consecutive weight rows, which the hardware prefetcher streams (runs of one small block
+ * each, handed out one at a time, left half the bandwidth unused), shrinking towards the end so
+ * that a thread that lost its core for a while holds up the others by a small chunk only.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -197,8 +197,8 @@ static void permute64(const uint16_t *x, Py_ssize_t k, uint16_t *out) {
 
 #define DP(acc, w, x) _mm512_dpbf16_ps(acc, (__m512bh)(w), (__m512bh)_mm512_loadu_si512(x))
 
-/* 64 bf16 weights as they are, in the same two halves as widen64_i8 would make (any split
- * pairs x and w alike, since x is handed over in its own order for bf16 weights). */
+/* 64 bf16 weights as they are: the first 32 in *a, the next 32 in *b, so x is read in its own
+ * order (no permuted copy). The tables are unused: one signature for both kinds of weight. */
 __attribute__((target(AVX512BF16))) static inline void widen64_bf16(const __m512i t[4], const void *w, __m512i *a,
                                                                      __m512i *b) {
     (void)t;
