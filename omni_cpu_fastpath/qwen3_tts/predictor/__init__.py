@@ -10,7 +10,7 @@ from .compiler import (
     bucket_compile_options,
     buckets_for,
 )
-from .layers import StackedEmbeddings, StackedHeads, rms_norm, sample_codes, stacked_linear
+from .layers import StackedEmbeddings, StackedHeads, cached_attention, rms_norm, sample_codes, stacked_linear
 from .model import CachedCodePredictor
 
 __all__ = [
@@ -25,5 +25,6 @@ __all__ = [
     "bucket_compile_options",
     "stacked_linear",
     "rms_norm",
+    "cached_attention",
     "sample_codes",
 ]

@@ -20,6 +20,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+def cached_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of ``q [B, H, T, D]`` over a static cache ``[B, KV, S, D]`` with ``mask [T, S]``.
+
+    Two fp32 batched matmuls and an fp32 softmax, the query heads of each KV head stacked as rows
+    (GQA without repeating the cache); output in ``q``'s dtype. What the compiled step runs in
+    place of SDPA, whose CPU kernel costs more in setup than these few positions cost to multiply.
+    """
+    bsz, heads, seq, dim = q.shape
+    kv_heads, positions = k_cache.shape[1], k_cache.shape[2]
+    group = heads // kv_heads
+    qf = q.to(torch.float32).reshape(bsz, kv_heads, group * seq, dim)
+    scores = torch.matmul(qf, k_cache.to(torch.float32).transpose(-1, -2)) * scale
+    scores = scores.view(bsz, kv_heads, group, seq, positions).masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1).view(bsz, kv_heads, group * seq, positions)
+    out = torch.matmul(probs, v_cache.to(torch.float32))
+    return out.view(bsz, heads, seq, dim).to(q.dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -33,7 +33,7 @@ from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.qwen3_tts.noise import predictor_uniforms
 
 from .compiler import DEFAULT_BUCKETS, StepCompiler
-from .layers import StackedEmbeddings, StackedHeads, rms_norm, rotate_half, sample_codes
+from .layers import StackedEmbeddings, StackedHeads, cached_attention, rms_norm, rotate_half, sample_codes
 from .stock_interface import StockPredictorInterface
 
 # Any finite uniform works for greedy rows: their noise is computed and then not selected.
@@ -199,7 +199,6 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
         dtype = x.dtype
         cos = self.rope_cos[pos].to(dtype)[None, None]  # [1, 1, T, D]
         sin = self.rope_sin[pos].to(dtype)[None, None]
-        attn_mask = mask[None, None]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         h = x
@@ -219,14 +218,18 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
             k_cache, v_cache = caches[2 * i], caches[2 * i + 1]
             k_cache.index_copy_(2, pos, k)
             v_cache.index_copy_(2, pos, v)
-            out = F.scaled_dot_product_attention(
-                q,
-                k_cache,
-                v_cache,
-                attn_mask=attn_mask,
-                scale=self.scaling,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )
+            if torch.compiler.is_compiling():
+                # Fused by Inductor; SDPA's CPU kernel costs more in setup than these positions do.
+                out = cached_attention(q, k_cache, v_cache, mask, self.scaling)
+            else:  # eager runs stock's SDPA, so served bf16 codes stay bit-equal to stock's
+                out = F.scaled_dot_product_attention(
+                    q,
+                    k_cache,
+                    v_cache,
+                    attn_mask=mask[None, None],
+                    scale=self.scaling,
+                    enable_gqa=self.num_heads != self.num_kv_heads,
+                )
             h = residual + attn.o_proj(out.transpose(1, 2).reshape(bsz, seq, q_size))
             residual = h
             h = rms_norm(
