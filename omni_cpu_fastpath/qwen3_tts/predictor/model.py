@@ -219,7 +219,7 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
             k_cache.index_copy_(2, pos, k)
             v_cache.index_copy_(2, pos, v)
             if torch.compiler.is_compiling():
-                # Fused by Inductor; SDPA's CPU kernel costs more in setup than these positions do.
+                # Fused by Inductor (why, in cached_attention's docstring).
                 out = cached_attention(q, k_cache, v_cache, mask, self.scaling)
             else:  # eager runs stock's SDPA, so served bf16 codes stay bit-equal to stock's
                 out = F.scaled_dot_product_attention(
