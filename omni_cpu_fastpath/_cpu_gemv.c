@@ -15,11 +15,13 @@
  * and AVX512-BF16 paths, which one CPU always takes the same way). Where the CPU has AVX512-BF16,
  * bf16 activations skip the widening: see the AVX512-BF16 path below.
  *
- *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa)
+ *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa[, group])
  *
  * Pointers arrive as integers from cpu_gemv.py, which checks dtypes, shapes and contiguity. x is
  * [rows, k] (bf16 or float32); w is [n, k] with row stride ldw, int8 (w_kind 0) or bf16 (1);
- * scale is [n] (bf16 or float32), or 0 for none; y is [rows, n] (bf16, rounded to nearest even,
+ * scale is [n] (bf16 or float32), or 0 for none; with group > 0 it is instead bf16 [n, k / group],
+ * one scale per `group` consecutive weights of a row (k and group multiples of 64): each group's
+ * dot product stays in vector registers and is multiplied by its scale there; y is [rows, n] (bf16, rounded to nearest even,
  * or float32); isa is the widest instruction set to use: 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512
  * and, for bf16 x, AVX512-BF16 (simd() says which this CPU has). Blocks of output channels go
  * to `threads` OpenMP threads (torch's own runtime once torch is loaded) in guided chunks: long
@@ -75,12 +77,18 @@ __attribute__((target("avx2,fma"))) static inline __m256 widen8_bf16(const void 
 
 /* Portable path (no AVX2): one output channel for `rows` rows of x, a plain loop. */
 #define DEFINE_SCALAR(KIND)                                                                          \
-    static void scalar_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, float *acc) {    \
+    static void scalar_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs, \
+                              Py_ssize_t group, float *acc) {                                        \
+        if (!gs) group = k;                                                                          \
         for (int m = 0; m < rows; m++) {                                                             \
             const float *xm = (const float *)x + (Py_ssize_t)m * k;                                  \
-            float s = 0.0f;                                                                          \
-            for (Py_ssize_t i = 0; i < k; i++) s += load_##KIND(w, i) * xm[i];                       \
-            acc[m] = s;                                                                              \
+            float t = 0.0f;                                                                          \
+            for (Py_ssize_t g0 = 0; g0 < k; g0 += group) {                                           \
+                float s = 0.0f;                                                                      \
+                for (Py_ssize_t i = g0; i < g0 + group; i++) s += load_##KIND(w, i) * xm[i];         \
+                t = gs ? t + s * bf16_to_float(gs[g0 / group]) : s;                                  \
+            }                                                                                        \
+            acc[m] = t;                                                                              \
         }                                                                                            \
     }
 DEFINE_SCALAR(i8)
@@ -98,34 +106,47 @@ __attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w,
 }
 
 /* The vector operations of each path: AVX2 widens 8 weights per instruction, AVX-512 16. */
-#define AVX2_OPS "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_fmadd_ps, _mm256_add_ps, \
-                 hsum256, widen8
-#define AVX512_OPS AVX512, __m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_fmadd_ps, _mm512_add_ps, \
-                   _mm512_reduce_add_ps, widen16
+#define AVX2_OPS "avx2,fma", __m256, 8, _mm256_setzero_ps, _mm256_set1_ps, _mm256_loadu_ps, _mm256_fmadd_ps, \
+                 _mm256_add_ps, hsum256, widen8
+#define AVX512_OPS AVX512, __m512, 16, _mm512_setzero_ps, _mm512_set1_ps, _mm512_loadu_ps, _mm512_fmadd_ps, \
+                   _mm512_add_ps, _mm512_reduce_add_ps, widen16
 
 /* One output channel for R = 1..4 rows of x, every accumulator in a register: two per row, over
- * even and odd blocks of W weights, then one block of W, then the last k % W one by one. */
+ * even and odd blocks of W weights, then one block of W, then the last k % W one by one. With group
+ * scales gs, each group of weights is summed so and its sum multiplied by its scale into a third
+ * register per row (groups are multiples of 2W, so no weights are left over). */
 #define DEFINE_GROUP(ISA, R, KIND, ...) DEFINE_GROUP_(ISA, R, KIND, __VA_ARGS__)
-#define DEFINE_GROUP_(ISA, R, KIND, TARGET, VEC, W, ZERO, LOADU, FMADD, ADD, HSUM, WIDEN)           \
-    __attribute__((target(TARGET))) static void ISA##_group##R##_##KIND(const float *x, Py_ssize_t k, \
-                                                                        const void *w, float *acc) { \
-        VEC a[R], b[R];                                                                              \
-        for (int m = 0; m < R; m++) a[m] = b[m] = ZERO();                                            \
+#define DEFINE_GROUP_(ISA, R, KIND, TARGET, VEC, W, ZERO, SET1, LOADU, FMADD, ADD, HSUM, WIDEN)     \
+    __attribute__((target(TARGET))) static void ISA##_group##R##_##KIND(                             \
+        const float *x, Py_ssize_t k, const void *w, const uint16_t *gs, Py_ssize_t group, float *acc) { \
+        VEC a[R], b[R], t[R];                                                                        \
+        for (int m = 0; m < R; m++) t[m] = ZERO();                                                   \
         Py_ssize_t kw = k - k % W, i = 0;                                                            \
-        for (; i + 2 * W <= kw; i += 2 * W) {                                                        \
-            VEC w0 = WIDEN##_##KIND(w, i), w1 = WIDEN##_##KIND(w, i + W);                            \
-            for (int m = 0; m < R; m++) {                                                            \
-                const float *xm = x + (Py_ssize_t)m * k + i;                                         \
-                a[m] = FMADD(w0, LOADU(xm), a[m]);                                                   \
-                b[m] = FMADD(w1, LOADU(xm + W), b[m]);                                               \
+        if (!gs) group = kw > 0 ? kw : 1;                                                            \
+        for (Py_ssize_t g0 = 0; g0 < kw; g0 += group) {                                              \
+            Py_ssize_t end = g0 + group;                                                             \
+            for (int m = 0; m < R; m++) a[m] = b[m] = ZERO();                                        \
+            for (i = g0; i + 2 * W <= end; i += 2 * W) {                                             \
+                VEC w0 = WIDEN##_##KIND(w, i), w1 = WIDEN##_##KIND(w, i + W);                        \
+                for (int m = 0; m < R; m++) {                                                        \
+                    const float *xm = x + (Py_ssize_t)m * k + i;                                     \
+                    a[m] = FMADD(w0, LOADU(xm), a[m]);                                               \
+                    b[m] = FMADD(w1, LOADU(xm + W), b[m]);                                           \
+                }                                                                                    \
+            }                                                                                        \
+            for (; i < end; i += W) {                                                                \
+                VEC w0 = WIDEN##_##KIND(w, i);                                                       \
+                for (int m = 0; m < R; m++) a[m] = FMADD(w0, LOADU(x + (Py_ssize_t)m * k + i), a[m]); \
+            }                                                                                        \
+            if (gs) {                                                                                \
+                VEC sc = SET1(bf16_to_float(gs[g0 / group]));                                        \
+                for (int m = 0; m < R; m++) t[m] = FMADD(ADD(a[m], b[m]), sc, t[m]);                 \
+            } else {                                                                                 \
+                for (int m = 0; m < R; m++) t[m] = ADD(a[m], b[m]);                                  \
             }                                                                                        \
         }                                                                                            \
-        for (; i < kw; i += W) {                                                                     \
-            VEC w0 = WIDEN##_##KIND(w, i);                                                           \
-            for (int m = 0; m < R; m++) a[m] = FMADD(w0, LOADU(x + (Py_ssize_t)m * k + i), a[m]);    \
-        }                                                                                            \
         for (int m = 0; m < R; m++) {                                                                \
-            float s = HSUM(ADD(a[m], b[m]));                                                         \
+            float s = HSUM(t[m]);                                                                    \
             for (Py_ssize_t j = kw; j < k; j++) s += load_##KIND(w, j) * x[(Py_ssize_t)m * k + j];   \
             acc[m] = s;                                                                              \
         }                                                                                            \
@@ -135,12 +156,13 @@ __attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w,
     DEFINE_GROUP(ISA, 2, KIND, OPS)                                                                  \
     DEFINE_GROUP(ISA, 3, KIND, OPS)                                                                  \
     DEFINE_GROUP(ISA, 4, KIND, OPS)                                                                  \
-    static void ISA##_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, float *acc) {     \
+    static void ISA##_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs, \
+                             Py_ssize_t group, float *acc) {                                         \
         switch (rows) {                                                                              \
-            case 1: ISA##_group1_##KIND(x, k, w, acc); break;                                        \
-            case 2: ISA##_group2_##KIND(x, k, w, acc); break;                                        \
-            case 3: ISA##_group3_##KIND(x, k, w, acc); break;                                        \
-            default: ISA##_group4_##KIND(x, k, w, acc); break;                                       \
+            case 1: ISA##_group1_##KIND(x, k, w, gs, group, acc); break;                             \
+            case 2: ISA##_group2_##KIND(x, k, w, gs, group, acc); break;                             \
+            case 3: ISA##_group3_##KIND(x, k, w, gs, group, acc); break;                             \
+            default: ISA##_group4_##KIND(x, k, w, gs, group, acc); break;                            \
         }                                                                                            \
     }
 DEFINE_KIND(avx2, i8, AVX2_OPS)
@@ -207,26 +229,36 @@ __attribute__((target(AVX512BF16))) static inline void widen64_bf16(const __m512
 }
 
 /* One output channel for R rows of bf16 x: blocks of 64 weights into two accumulators per row,
- * the last k % 64 one by one. */
+ * the last k % 64 one by one; with group scales gs, each group's sum times its scale into a third. */
 #define DEFINE_BF16DOT(R, KIND, WSIZE)                                                               \
     __attribute__((target(AVX512BF16))) static void bf16dot_group##R##_##KIND(                         \
-        const uint16_t *x, Py_ssize_t k, const void *w, float *acc) {                                \
+        const uint16_t *x, Py_ssize_t k, const void *w, const uint16_t *gs, Py_ssize_t group, float *acc) { \
         const __m512i t[4] = {_mm512_load_si512(BF16_LO), _mm512_load_si512(BF16_LO + 64),           \
                               _mm512_load_si512(BF16_HI), _mm512_load_si512(BF16_HI + 64)};          \
-        __m512 a[R], b[R];                                                                           \
-        for (int m = 0; m < R; m++) a[m] = b[m] = _mm512_setzero_ps();                               \
+        __m512 a[R], b[R], c[R];                                                                     \
+        for (int m = 0; m < R; m++) c[m] = _mm512_setzero_ps();                                      \
         Py_ssize_t kb = k - k % 64;                                                                  \
-        for (Py_ssize_t i = 0; i < kb; i += 64) {                                                    \
-            __m512i w0, w1;                                                                          \
-            widen64_##KIND(t, (const char *)w + i * WSIZE, &w0, &w1);                                \
-            for (int m = 0; m < R; m++) {                                                            \
-                const uint16_t *xm = x + (Py_ssize_t)m * k + i;                                      \
-                a[m] = DP(a[m], w0, xm);                                                             \
-                b[m] = DP(b[m], w1, xm + 32);                                                        \
+        if (!gs) group = kb > 0 ? kb : 1;                                                            \
+        for (Py_ssize_t g0 = 0; g0 < kb; g0 += group) {                                              \
+            for (int m = 0; m < R; m++) a[m] = b[m] = _mm512_setzero_ps();                           \
+            for (Py_ssize_t i = g0; i < g0 + group; i += 64) {                                       \
+                __m512i w0, w1;                                                                      \
+                widen64_##KIND(t, (const char *)w + i * WSIZE, &w0, &w1);                            \
+                for (int m = 0; m < R; m++) {                                                        \
+                    const uint16_t *xm = x + (Py_ssize_t)m * k + i;                                  \
+                    a[m] = DP(a[m], w0, xm);                                                         \
+                    b[m] = DP(b[m], w1, xm + 32);                                                    \
+                }                                                                                    \
+            }                                                                                        \
+            if (gs) {                                                                                \
+                __m512 sc = _mm512_set1_ps(bf16_to_float(gs[g0 / group]));                           \
+                for (int m = 0; m < R; m++) c[m] = _mm512_fmadd_ps(_mm512_add_ps(a[m], b[m]), sc, c[m]); \
+            } else {                                                                                 \
+                for (int m = 0; m < R; m++) c[m] = _mm512_add_ps(a[m], b[m]);                        \
             }                                                                                        \
         }                                                                                            \
         for (int m = 0; m < R; m++) {                                                                \
-            float s = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));                               \
+            float s = _mm512_reduce_add_ps(c[m]);                                                    \
             for (Py_ssize_t j = kb; j < k; j++) s += load_##KIND(w, j) * bf16_to_float(x[m * k + j]); \
             acc[m] = s;                                                                              \
         }                                                                                            \
@@ -238,18 +270,20 @@ DEFINE_BF16DOT_ROWS(3)
 DEFINE_BF16DOT_ROWS(4)
 
 #define DEFINE_BF16DOT_KIND(KIND)                                                                    \
-    static void bf16dot_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, float *acc) {   \
+    static void bf16dot_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs, \
+                               Py_ssize_t group, float *acc) {                                       \
         switch (rows) {                                                                              \
-            case 1: bf16dot_group1_##KIND(x, k, w, acc); break;                                      \
-            case 2: bf16dot_group2_##KIND(x, k, w, acc); break;                                      \
-            case 3: bf16dot_group3_##KIND(x, k, w, acc); break;                                      \
-            default: bf16dot_group4_##KIND(x, k, w, acc); break;                                     \
+            case 1: bf16dot_group1_##KIND(x, k, w, gs, group, acc); break;                           \
+            case 2: bf16dot_group2_##KIND(x, k, w, gs, group, acc); break;                           \
+            case 3: bf16dot_group3_##KIND(x, k, w, gs, group, acc); break;                           \
+            default: bf16dot_group4_##KIND(x, k, w, gs, group, acc); break;                          \
         }                                                                                            \
     }
 DEFINE_BF16DOT_KIND(i8)
 DEFINE_BF16DOT_KIND(bf16)
 
-typedef void (*channel_fn)(const void *x, int rows, Py_ssize_t k, const void *w, float *acc);
+typedef void (*channel_fn)(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs,
+                           Py_ssize_t group, float *acc);
 
 /* The widest instruction set this CPU runs: 0 none, 1 AVX2 with FMA, 2 AVX-512F as well, 3 also
  * AVX512-BW, -VBMI and -BF16. Read once, at import (PyInit), not on every product. */
@@ -270,9 +304,9 @@ static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512", "avx512bf16"
 static PyObject *gemv(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, scale_addr, y_addr;
     int x_bf16, rows, w_kind, scale_bf16, y_bf16, threads, isa;
-    Py_ssize_t k, ldw, n;
-    if (!PyArg_ParseTuple(args, "KpinKinnKpKpii", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
-                          &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads, &isa))
+    Py_ssize_t k, ldw, n, group = 0;
+    if (!PyArg_ParseTuple(args, "KpinKinnKpKpii|n", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
+                          &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads, &isa, &group))
         return NULL;
     if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1 || ldw < k || threads < 1 || w_kind < 0 || w_kind > 1 ||
         isa < 0 || isa > cpu_isa) {
@@ -280,6 +314,12 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                      "gemv: rows must be 1..%d, k and n positive, ldw >= k, threads >= 1, w_kind 0 (int8) "
                      "or 1 (bf16), isa 0..%d (this CPU's widest)",
                      MAX_ROWS, cpu_isa);
+        return NULL;
+    }
+    if (group != 0 && (group < 0 || group % 64 || k % group || !scale_addr || !scale_bf16)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "gemv: group must be 0 (one scale per row) or a positive multiple of 64 dividing k, "
+                        "with bf16 group scales");
         return NULL;
     }
     static const channel_fn CHANNELS[4][2] = {{scalar_i8, scalar_bf16},
@@ -316,13 +356,14 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
             int g = rows - r < GROUP ? rows - r : GROUP;
             const char *xr = (const char *)x + (size_t)r * (size_t)k * xsize;
             for (Py_ssize_t j = b * BLOCK_N; j < end; j++) {
-                channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize, acc);
+                const uint16_t *gs = group ? (const uint16_t *)(uintptr_t)scale_addr + j * (k / group) : NULL;
+                channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize, gs, group, acc);
                 float s = 1.0f;
-                if (scale_addr)
+                if (scale_addr && !group)
                     s = scale_bf16 ? bf16_to_float(((const uint16_t *)(uintptr_t)scale_addr)[j])
                                    : ((const float *)(uintptr_t)scale_addr)[j];
                 for (int m = 0; m < g; m++) {
-                    float v = scale_addr ? acc[m] * s : acc[m];
+                    float v = scale_addr && !group ? acc[m] * s : acc[m];
                     Py_ssize_t at = (Py_ssize_t)(r + m) * n + j;
                     if (y_bf16)
                         ((uint16_t *)(uintptr_t)y_addr)[at] = float_to_bf16(v);

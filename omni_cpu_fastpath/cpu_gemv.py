@@ -1,14 +1,14 @@
 """Matrix products for a few rows on CPU (``_cpu_gemv.c``): loading the kernel, checking it, calling it.
 
 ``y = (x @ w.T) * scale`` for 1 to :data:`MAX_ROWS` rows of bf16 or float32 ``x`` and int8
-(per-output-channel ``scale``) or bf16 weights ``w``: the decode steps of the talker and the code
-predictor. The kernel streams each weight row once for every row of ``x`` (AVX-512 or AVX2 where
-the CPU has it, and AVX512-BF16's ``vdpbf16ps`` for bf16 ``x``; ``VLLM_OMNI_CPU_GEMV_ISA`` caps
-it), where torch's kernels for the same products run far above the weight-streaming floor
-(ATen's ``_weight_int8pack_mm`` vectorizes only with AVX-512 and widens every weight to float32;
-bf16 products are emulated without AVX512-BF16). Products are exact in float32; only the
-summation order differs from torch's, and a row's result does not depend on its batch neighbours
-or the thread count.
+(per-output-channel ``scale [N]``, or bf16 group scales ``[N, K // group]``) or bf16 weights ``w``: the
+decode steps of the talker and the code predictor. The kernel streams each weight row once for every
+row of ``x`` (AVX-512 or AVX2 where the CPU has it, and AVX512-BF16's ``vdpbf16ps`` for bf16 ``x``;
+``VLLM_OMNI_CPU_GEMV_ISA`` caps it), where torch's kernels for the same products run far above the
+weight-streaming floor (ATen's ``_weight_int8pack_mm`` vectorizes only with AVX-512 and widens every
+weight to float32; bf16 products are emulated without AVX512-BF16). Products are exact in float32;
+only the summation order differs from torch's, and a row's result does not depend on its batch
+neighbours or the thread count.
 
 Eager calls take :func:`gemv`; a compiled graph calls :func:`gemv_op`, the same kernel as an
 opaque op (any row count, in blocks of :data:`MAX_ROWS`), so its weights stay graph inputs. A
@@ -104,11 +104,29 @@ def accepts(
         and weight.dim() == 2
         and weight.stride(1) == 1
         and weight.shape[1] == x2.shape[1]
-        and (
-            scales is None
-            or (scales.dtype in _ACTIVATIONS and scales.shape == weight.shape[:1] and scales.is_contiguous())
-        )
+        and (scales is None or (_scales_fit(scales, weight) and scales.is_contiguous()))
     )
+
+
+def _scales_fit(scales: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Per-row scales ``[N]`` (bf16 or float32), or bf16 group scales ``[N, G]`` whose groups of
+    ``K // G`` weights are whole blocks of 64 (the kernel's widest step)."""
+    if scales.dim() == 1:
+        return scales.dtype in _ACTIVATIONS and scales.shape == weight.shape[:1]
+    n, k = weight.shape
+    return (
+        scales.dim() == 2
+        and scales.dtype is torch.bfloat16
+        and scales.shape[0] == n
+        and scales.shape[1] > 0
+        and k % scales.shape[1] == 0
+        and (k // scales.shape[1]) % 64 == 0
+    )
+
+
+def group_size(weight: torch.Tensor, scales: torch.Tensor | None) -> int:
+    """Weights per scale along a row: 0 for per-row scales (or none), else ``K // G``."""
+    return 0 if scales is None or scales.dim() == 1 else weight.shape[1] // scales.shape[1]
 
 
 def gemv(
@@ -117,7 +135,8 @@ def gemv(
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``(x2 @ weight.T) * scales`` as ``[rows, N]`` in ``out_dtype`` (default: ``x2``'s dtype).
+    """``(x2 @ weight.T) * scales`` as ``[rows, N]`` in ``out_dtype`` (default: ``x2``'s dtype); with
+    group scales ``[N, G]``, each row's ``G`` groups of weights are scaled apart.
 
     For layers built with :func:`wanted` true, on operands :func:`accepts` takes.
     """
@@ -142,6 +161,7 @@ def gemv(
         out_dtype is torch.bfloat16,
         torch.get_num_threads(),
         _isa(),
+        group_size(weight, scales),
     )
     return y
 
@@ -187,4 +207,28 @@ def _self_check(ext: Any) -> str | None:
             if not bool(((y.double() - ref).abs() <= bound).all()):
                 err = (y.double() - ref).abs().max().item()
                 return f"{w.dtype} x {x.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}: max error {err:.3g}"
+    return _self_check_groups(ext, g)
+
+
+def _self_check_groups(ext: Any, g: torch.Generator) -> str | None:
+    """:func:`_self_check` for int8 weights with group scales (each group's sum times its scale)."""
+    f32 = torch.float32
+    for rows, k, n, group in ((1, 384, 70, 128), (5, 256, 33, 64)):
+        q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+        s = (torch.rand(n, k // group, generator=g, dtype=f32) / 100 + 1e-3).to(torch.bfloat16)
+        x32 = torch.randn(rows, k, generator=g, dtype=f32)
+        sd = s.double().repeat_interleave(group, dim=1)
+        for x, isa in itertools.product((x32, x32.to(torch.bfloat16)), range(ext.simd()[0] + 1)):
+            y = torch.empty(rows, n, dtype=f32)
+            x_bf16 = x.dtype is torch.bfloat16
+            ext.gemv(x.data_ptr(), x_bf16, rows, k, q.data_ptr(), 0, k, n, s.data_ptr(), True, y.data_ptr(),
+                     False, 1, isa, group)  # fmt: skip
+            ref = x.double() @ (q.double() * sd).T
+            bound = (k + 2 * (k // group) + 2) * 2.0**-24 * (
+                x.double().abs() @ (q.double().abs() * sd).T
+            ) + 1e-30
+            if not bool(((y.double() - ref).abs() <= bound).all()):
+                err = (y.double() - ref).abs().max().item()
+                what = f"int8 groups of {group} x {x.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}"
+                return f"{what}: max error {err:.3g}"
     return None

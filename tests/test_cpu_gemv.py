@@ -103,6 +103,64 @@ def test_every_simd_of_this_cpu_equals_float64_and_keeps_each_row_alone(isa: int
 
 
 @pytest.mark.parametrize("isa", range(len(ISAS)))
+def test_group_scales_equal_float64_in_each_simd(isa: int) -> None:
+    """bf16 scales per group of input weights ([N, K // group]): each group's dot product times
+    its own scale, within float32 accumulation of float64 (two more roundings per group), every
+    row the same alone as in a batch; groups that are not whole 64-weight blocks are refused."""
+    if isa > ISAS.index(widest_simd_by_cpuinfo()):
+        return
+    ext = cpu_gemv._extension()[0]
+    for k, group in ((64, 64), (384, 128), (1024, 64), (3072, 192)):
+        g = torch.Generator().manual_seed(k + group)
+        q = torch.randint(-127, 128, (70, k), generator=g, dtype=torch.int8)
+        s = (torch.rand(70, k // group, generator=g) / 50 + 1e-3).to(torch.bfloat16)
+        sd = s.double().repeat_interleave(group, dim=1)
+        for x_dtype in (torch.bfloat16, torch.float32):
+            x = torch.randn(8, k, generator=g).to(x_dtype)
+
+            def run(x: torch.Tensor, threads: int, q=q, s=s, k=k, group=group) -> torch.Tensor:
+                y = torch.empty(x.shape[0], 70, dtype=torch.float32)
+                ext.gemv(x.data_ptr(), x.dtype is torch.bfloat16, x.shape[0], k, q.data_ptr(), 0, k, 70,
+                         s.data_ptr(), True, y.data_ptr(), False, threads, isa, group)  # fmt: skip
+                return y
+
+            alone = torch.cat([run(x[i : i + 1], 1) for i in range(8)])
+            xd = x.double()
+            ref = xd @ (q.double() * sd).T
+            bound = (k + 2 * (k // group) + 2) * 2.0**-24 * (xd.abs() @ (q.double().abs() * sd).T) + 1e-30
+            assert bool(((alone.double() - ref).abs() <= bound).all()), (ISAS[isa], k, group, x_dtype)
+            for rows, threads in ((3, 2), (8, 3)):
+                assert torch.equal(run(x[:rows], threads), alone[:rows]), (ISAS[isa], k, rows)
+            # Control: one scale for the whole row (the first group's) is visibly another product.
+            if k > group:
+                one_scale = (xd @ q.double().T) * s.double()[:, 0]
+                assert not bool(((alone.double() - one_scale).abs() <= bound).all())
+    y = torch.empty(1, 70)
+    x = torch.randn(1, 256)
+    q = torch.zeros(70, 256, dtype=torch.int8)
+    for group, scales in ((96, torch.ones(70, 2)), (512, torch.ones(70, 1)), (-64, torch.ones(70, 4))):
+        with pytest.raises(ValueError, match="group must be 0"):
+            scales = scales.bfloat16()
+            ext.gemv(x.data_ptr(), False, 1, 256, q.data_ptr(), 0, 256, 70, scales.data_ptr(), True,
+                     y.data_ptr(), False, 1, isa, group)  # fmt: skip
+    with pytest.raises(ValueError, match="bf16 group scales"):  # float32 scales are per row only
+        ext.gemv(x.data_ptr(), False, 1, 256, q.data_ptr(), 0, 256, 70, torch.ones(70, 4).data_ptr(), False,
+                 y.data_ptr(), False, 1, isa, 64)  # fmt: skip
+
+
+def test_accepts_group_scales_only_in_whole_blocks() -> None:
+    q = torch.zeros(70, 256, dtype=torch.int8)
+    x = torch.ones(2, 256, dtype=torch.bfloat16)
+    assert cpu_gemv.accepts(x, q, torch.ones(70, 4, dtype=torch.bfloat16))
+    assert cpu_gemv.accepts(x, q, torch.ones(70, 2, dtype=torch.bfloat16))
+    assert not cpu_gemv.accepts(x, q, torch.ones(70, 8, dtype=torch.bfloat16))  # groups of 32
+    assert not cpu_gemv.accepts(x, q, torch.ones(70, 3, dtype=torch.bfloat16))  # 256 / 3
+    assert not cpu_gemv.accepts(x, q, torch.ones(70, 4))  # float32 group scales
+    assert not cpu_gemv.accepts(x, q, torch.ones(69, 4, dtype=torch.bfloat16))
+    assert cpu_gemv.group_size(q, torch.ones(70, 4)) == 64 and cpu_gemv.group_size(q, torch.ones(70)) == 0
+
+
+@pytest.mark.parametrize("isa", range(len(ISAS)))
 def test_every_int8_value_and_every_tail_width_is_exact_in_each_simd(isa: int) -> None:
     """All 256 int8 values (the bf16 path looks each up in a byte table by magnitude, -128 and 0
     are its edges) in every position of a 64-weight block, with bf16 and float32 activations

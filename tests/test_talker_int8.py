@@ -22,7 +22,7 @@ METHOD = stage_settings.TALKER_INT8_METHODS["w8-channel"]
 # --- the linear method against float64 ---------------------------------------------------------
 
 
-def _method_layer(weight, float_columns=False, gain=None):
+def _method_layer(weight, float_columns=False, gain=None, group_size=0):
     """A module with ``TalkerW8LinearMethod``'s weights, loaded and processed as vLLM's loader does
     (``float_columns``: ``w8-channel``, else ``w8-plain``; ``gain``: the RMSNorm gain the talker
     hands it between loading and processing)."""
@@ -36,7 +36,7 @@ def _method_layer(weight, float_columns=False, gain=None):
 
     with set_current_vllm_config(VllmConfig()):
         ensure_single_process_world()
-    method = TalkerW8LinearMethod(float_columns=float_columns)
+    method = TalkerW8LinearMethod(float_columns=float_columns, group_size=group_size)
     layer = nn.Module()
     n, k = weight.shape
     method.create_weights(layer, k, [n], k, n, weight.dtype, weight_loader=lambda p, w: p.data.copy_(w))
@@ -131,6 +131,68 @@ def test_w8_channel_keeps_outlier_input_columns_exact() -> None:
     assert bare.float_cols is None and bare.float_weight is None
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_group_method_matches_float64_of_dequantized_weights(dtype: str) -> None:
+    """w8-group: one bf16 scale per 64 input weights of a row, each weight within half a step of
+    its group's scale (plus the scale's own bf16 rounding); the product is float64's of the
+    dequantized groups for decode rows, a short prefill's (the kernel in blocks: each row the same
+    whatever its neighbours) and a long one's (dequantized to bf16), and where the kernel is off."""
+    import torch
+
+    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import GROUP_SIZE, GROUPED_KERNEL_MAX_ROWS
+
+    torch.manual_seed(3)
+    dt = getattr(torch, dtype)
+    n, k = 80, 256
+    w = torch.randn(n, k) * 0.02
+    w[:, 70] = 0.5  # one large weight column: only its own group's scales should grow
+    w[9, 128:192] = 0.0  # an all-zero group (scale 1, not 0/0)
+    gain = torch.ones(k)
+    gain[200] = 30.0
+    method, layer = _method_layer(w.to(dt), float_columns=True, gain=gain, group_size=GROUP_SIZE)
+    assert layer.scales.shape == (n, k // GROUP_SIZE) and layer.scales.dtype == torch.bfloat16
+    assert layer.float_cols.tolist() == [200] and torch.equal(layer.float_weight, w.to(dt).float()[:, [200]])
+
+    q, s = layer.qweight.double(), layer.scales.double()
+    rest = w.to(dt).double().clone()
+    rest[:, 200] = 0
+    s_full = s.repeat_interleave(GROUP_SIZE, dim=1)
+    assert q.abs().max() <= 127 and not layer.qweight[:, 200].any()
+    # Half a step, plus what rounding the scale to bf16 first can add at the group's maximum.
+    assert bool(((q * s_full - rest).abs() <= s_full / 2 + rest.abs() * 2**-8 + 1e-12).all())
+    assert torch.equal(layer.qweight[9, 128:192], torch.zeros(64, dtype=torch.int8))
+    # The groups without the large column have scales of their own size.
+    assert float(s[:, 0].max()) < float(s[:, 1].min())  # column 70 is in the second group
+
+    dequantized = q * s_full
+    for rows in (1, 3, 8, 11, GROUPED_KERNEL_MAX_ROWS, GROUPED_KERNEL_MAX_ROWS + 5):
+        x = torch.randn(rows, k).to(dt)
+        y = method.apply(layer, x)
+        assert y.shape == (rows, n) and y.dtype == dt
+        xb = x.to(torch.bfloat16).double()
+        ref = xb @ dequantized.T + x.double()[:, [200]] @ layer.float_weight.double().T
+        err = (y.double() - ref).abs().max() / ref.abs().max()
+        assert err < 2**-7, (rows, err)
+        if rows > GROUPED_KERNEL_MAX_ROWS:
+            continue
+        alone = torch.cat([method.apply(layer, x[i : i + 1]) for i in range(rows)])
+        assert torch.equal(y, alone), rows
+    # Control: against the exact product, the groups are well inside per-row scales' error.
+    x = torch.randn(8, k)
+    exact = x.double() @ rest.T
+    _, per_row = _method_layer(w.to(dt), float_columns=True, gain=gain)
+    err_group = (x.double() @ dequantized.T - exact).norm()
+    err_row = (x.double() @ (per_row.qweight.double() * per_row.scales.double()[:, None]).T - exact).norm()
+    # Three of the four groups have steps about 8x finer than the rows' (set by column 70).
+    assert err_group < err_row / 1.5, (err_group, err_row)
+    # The kernel off (VLLM_OMNI_CPU_GEMV=0 when the layer was built): dequantized to bf16 per call.
+    layer.cpu_gemv = False
+    slow = method.apply(layer, x.to(dt))
+    xb = x.to(dt).to(torch.bfloat16).double()
+    ref = xb @ dequantized.T + x.to(dt).double()[:, [200]] @ layer.float_weight.double().T
+    assert (slow.double() - ref).abs().max() / ref.abs().max() < 2**-7
+
+
 def test_w8_channel_columns_do_not_depend_on_the_first_input() -> None:
     """Two instances of the same layer that serve different first inputs (one with its own
     outliers at other columns) hold the same weights before and after: the columns are those of
@@ -181,7 +243,9 @@ def test_dequantizing_fallback_computes_the_same() -> None:
 
 def test_bad_flag_value_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w4-group")
-    with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_TALKER_INT8='w4-group'.*off\|w8-channel\|w8-plain"):
+    with pytest.raises(
+        envs.FlagError, match=r"VLLM_OMNI_TALKER_INT8='w4-group'.*off\|w8-channel\|w8-plain\|w8-group"
+    ):
         envs.validate_all()
     with pytest.raises(envs.FlagError, match="VLLM_OMNI_TALKER_INT8"):
         deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
@@ -211,6 +275,9 @@ def test_flag_selects_the_method_for_the_talker_stage_only(monkeypatch: pytest.M
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-plain")
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
     assert [s.get("quantization") for s in stages] == ["omni_cpu_talker_w8_plain", None]
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-group")
+    stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
+    assert [s.get("quantization") for s in stages] == ["omni_cpu_talker_w8_group", None]
 
 
 def test_fastpath_off_serves_the_stock_float_talker(tiny_model_dir, tmp_path, monkeypatch) -> None:
@@ -235,7 +302,7 @@ def test_fastpath_off_serves_the_stock_float_talker(tiny_model_dir, tmp_path, mo
     assert config.quant_config is None and config.model_config.quantization is None
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
     assert stage_settings.stage_quantization(stage_settings.QWEN3_TTS_STAGES[0]) is None
-    for scheme in ("w8-channel", "w8-plain"):
+    for scheme in ("w8-channel", "w8-plain", "w8-group"):
         monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", scheme)
         refused = rf"VLLM_OMNI_TALKER_INT8='{scheme}'.*VLLM_OMNI_CPU_FASTPATH='0'"
         with pytest.raises(envs.FlagError, match=refused):
@@ -363,6 +430,32 @@ def test_served_status_names_what_serves_the_few_row_products(tiny_w8_talker, mo
     assert talker_int8.served_status(talker, None) == "off"
 
 
+def test_served_status_of_the_group_scheme(tiny_outlier_model_dir, monkeypatch) -> None:
+    from omni_cpu_fastpath import cpu_gemv
+    from omni_cpu_fastpath.qwen3_tts import talker_parity
+    from omni_cpu_fastpath.qwen3_tts.quant import talker_int8
+
+    talker, vllm_config = talker_parity.build_talker(tiny_outlier_model_dir, "w8-group")
+    layers = len(talker.model.layers)
+    head = (
+        f"w8-group ({4 * layers} decoder linears, scales per {talker_int8.GROUP_SIZE} input weights, "
+        "outlier input columns fp32 from the RMSNorm gains, "
+    )
+    status = talker_int8.served_status(talker, vllm_config.quant_config)
+    rows = talker_int8.GROUPED_KERNEL_MAX_ROWS
+    assert status == head + f"{cpu_gemv.kernel_name()} for 1-{rows} rows, dequantized to bf16 beyond)", status
+    for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        layer = talker.model.layers[0].get_submodule(name)
+        assert layer.scales.shape == (
+            layer.qweight.shape[0],
+            layer.qweight.shape[1] // talker_int8.GROUP_SIZE,
+        )
+    monkeypatch.setenv("VLLM_OMNI_CPU_GEMV", "0")
+    assert talker_int8.served_status(talker, vllm_config.quant_config) == (
+        head + "dequantized to bf16 per call (torch's kernels (VLLM_OMNI_CPU_GEMV=0)))"
+    )
+
+
 def test_fast_talker_hands_the_rmsnorm_gains_before_quantizing(tiny_w8_talker, tiny_outlier_model_dir):
     """FastQwen3TTSTalker built and loaded as a worker loads it (vLLM's loader, then
     process_weights_after_loading): each qkv_proj / gate_up_proj keeps the columns of the gain in
@@ -465,12 +558,12 @@ def test_parity_bounds_on_the_tiny_outliers_checkpoint(tiny_outlier_model_dir: P
         r["variant"]: r
         for r in talker_parity.talker_parity_table(tiny_outlier_model_dir, positions=64, seqs=2)
     }
-    bf16, plain, w8 = rows["bf16"], rows["w8-plain"], rows["w8-channel"]
+    bf16, plain, w8, group = rows["bf16"], rows["w8-plain"], rows["w8-channel"], rows["w8-group"]
     # Frozen from measurement (128 positions; README): bf16 top-1 0.977, KL 7.3e-4; w8-plain top-1
     # 0.969, KL 2.67e-3; w8-channel top-1 0.945, KL 2.2e-3 (tiny is 64 wide: one fp32 column per
     # gain-fed linear at most) against fp32; w8-channel against bf16: top-1 0.969, KL 2.2e-3.
     assert bf16["top1"] >= 0.95 and bf16["kl"] < 2e-3
-    for row in (plain, w8):
+    for row in (plain, w8, group):
         assert row["top1"] >= 0.93 and row["kl"] < 6e-3
         assert row["vs_bf16"]["top1"] >= 0.92 and row["vs_bf16"]["kl"] < 6e-3
         # It is a measurement, not an identity: int8 differs from bf16.
@@ -478,3 +571,42 @@ def test_parity_bounds_on_the_tiny_outliers_checkpoint(tiny_outlier_model_dir: P
     # The outlier columns kept in fp32 are what brings w8-channel closer to fp32.
     assert w8["kl"] < 0.9 * plain["kl"], (w8, plain)
     assert w8["max_logit_diff"] > 0
+
+
+@pytest.mark.slow
+def test_served_group_scheme_speaks_with_parity_recorded(
+    tiny_outlier_model_dir: Path, tmp_path: Path
+) -> None:
+    """A live server with VLLM_OMNI_TALKER_INT8=w8-group and the in-situ parity check: it says
+    what serves the talker's linears, every talker forward's codec logits are measured against
+    the bf16 reference of the same layers, and whole frames of audio come back."""
+    from omni_cpu_fastpath import step_stats
+    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import GROUP_SIZE
+    from omni_cpu_fastpath.serving import commands as serving
+
+    frames = 8
+    env = {
+        "VLLM_OMNI_CPU_FASTPATH": "1",
+        "VLLM_OMNI_TALKER_INT8": "w8-group",
+        "VLLM_OMNI_TALKER_PARITY_CHECK": "1",
+        "VLLM_OMNI_STEP_STATS_DIR": str(tmp_path / "stats"),
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),
+    }
+    model = tiny_outlier_model_dir
+    per_frame = serving.sample_rate_of(model) * 2 // 25  # 80 ms frames
+    with serving.running_server(str(model), tmp_path / "server.log", env=env) as server:
+        speech = serving.synthesize(server, "Still speaking.", max_frames=frames, seed=3)
+    samples = round(speech.audio_s * speech.sample_rate)
+    assert samples > 0 and samples % per_frame == 0, (samples, per_frame)
+    processes = step_stats.served_dir(tmp_path / "stats").values()
+    (talker,) = [p for p in processes if "talker" in p.get("model", "").lower()]
+    assert talker["talker.int8"].startswith(
+        f"w8-group (8 decoder linears, scales per {GROUP_SIZE} input weights, outlier input columns fp32"
+    ), talker
+    assert talker["talker.parity"].startswith("on"), talker
+    summary = step_stats.summarize_dir(tmp_path / "stats")
+    top1, kl = summary["talker.parity.top1"], summary["talker.parity.kl"]
+    assert top1["count"] >= frames
+    # The tiny outliers model against its bf16 layers: close, and not identical (int8 serves).
+    assert top1["mean"] >= 0.9 and kl["mean"] < 0.01, (top1, kl)
+    assert summary["talker.parity.max_logit_diff"]["max"] > 0.0

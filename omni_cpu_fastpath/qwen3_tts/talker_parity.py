@@ -47,8 +47,9 @@ TALKER_VARIANTS: dict[str, tuple[torch.dtype, str | None]] = {
     "bf16": (torch.bfloat16, None),
     "w8-plain": (torch.bfloat16, "w8-plain"),
     "w8-channel": (torch.bfloat16, "w8-channel"),
+    "w8-group": (torch.bfloat16, "w8-group"),
 }
-TALKER_PARITY_VARIANTS = ("bf16", "w8-plain", "w8-channel")
+TALKER_PARITY_VARIANTS = ("bf16", "w8-plain", "w8-channel", "w8-group")
 TALKER_PARITY_PREFIX = "talker.parity"
 
 

@@ -38,6 +38,7 @@ DEFAULT_OMNI_KV_BYTES = 1 << 30
 TALKER_INT8_METHODS: dict[str, str] = {
     "w8-channel": "omni_cpu_talker_w8",
     "w8-plain": "omni_cpu_talker_w8_plain",
+    "w8-group": "omni_cpu_talker_w8_group",
 }
 # VLLM_OMNI_TALKER_FP32_PREFILL's method (``qwen3_tts/quant/talker_fp32_prefill.py``), when int8 is off.
 TALKER_FP32_PREFILL_METHOD = "omni_cpu_talker_fp32_prefill"

@@ -41,20 +41,37 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return q.contiguous(), scales.contiguous()
 
 
-def quantize_with_float_columns(
-    weight: torch.Tensor, float_cols: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """:func:`quantize_per_channel` of ``weight`` without its input columns ``float_cols``, which
-    are returned in fp32 beside it: ``(q, scales, cols or None, float_weight [N, c] or None)``.
-    The row scales then come from the other columns only."""
+def quantize_per_group(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per group of ``group_size`` input weights of each row: ``(q [N, K] int8,
+    scales [N, K // group_size] bf16)``, ``w ~ q * s`` group by group.
+
+    Each scale is rounded to bf16 (what the kernel reads) before the weights are divided by it; an
+    all-zero group gets scale 1."""
     w = weight.detach().to(torch.float32)
+    n, k = w.shape
+    groups = w.view(n, k // group_size, group_size)
+    amax = groups.abs().amax(dim=-1)
+    scales = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax)).to(torch.bfloat16)
+    q = torch.round(groups / scales.float()[..., None]).clamp_(-127, 127).to(torch.int8)
+    return q.view(n, k).contiguous(), scales.contiguous()
+
+
+def quantize_with_float_columns(
+    weight: torch.Tensor, float_cols: torch.Tensor | None, group_size: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """:func:`quantize_per_channel` (or, with ``group_size``, :func:`quantize_per_group`) of
+    ``weight`` without its input columns ``float_cols``, which are returned in fp32 beside it:
+    ``(q, scales, cols or None, float_weight [N, c] or None)``. The scales then come from the
+    other columns only."""
+    w = weight.detach().to(torch.float32)
+    quantize = (lambda t: quantize_per_group(t, group_size)) if group_size else quantize_per_channel
     if float_cols is None or not float_cols.numel():
-        return (*quantize_per_channel(w), None, None)
+        return (*quantize(w), None, None)
     cols = float_cols.long()
     fw = w[:, cols].clone()
     w = w.clone()
     w[:, cols] = 0.0
-    return (*quantize_per_channel(w), cols, fw)
+    return (*quantize(w), cols, fw)
 
 
 def _int8pack_mm(

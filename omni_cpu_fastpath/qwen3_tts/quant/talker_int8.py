@@ -13,10 +13,11 @@ Only the talker's decoder linears (``model.layers.N.self_attn.{qkv_proj,o_proj}`
 vLLM's ``UnquantizedLinearMethod``, and embeddings, the codec head and attention get None (their
 unquantized defaults). The code predictor is built from ``nn.Linear`` and has its own int8 path.
 
-Schemes. Both quantize the checkpoint's float weights, once loaded, to symmetric int8 per output
-channel (scale = row max / 127) and run ``aten._weight_int8pack_mm`` with bf16 activations (on
-AVX2 its fp32 path is 10-30x slower; bf16 keeps 8 mantissa bits whatever a channel's magnitude),
-output in the activation dtype (decode steps of 1-8 rows: the package's kernel, ``cpu_gemv.py``).
+Schemes. ``w8-plain`` and ``w8-channel`` quantize the checkpoint's float weights, once loaded, to
+symmetric int8 per output channel (scale = row max / 127) and run ``aten._weight_int8pack_mm``
+with bf16 activations (on AVX2 its fp32 path is 10-30x slower; bf16 keeps 8 mantissa bits
+whatever a channel's magnitude), output in the activation dtype (decode steps of 1-8 rows: the
+package's kernel, ``cpu_gemv.py``).
 Activations are never quantized.
 
 - ``w8-plain``: only that.
@@ -34,6 +35,14 @@ Activations are never quantized.
   checkpoint alone: every server of it serves the same weights whatever it is asked first.
   ``o_proj`` and ``down_proj`` have no gain in front of them and get no fp32 columns; nor does a
   layer whose weights were loaded without the talker's ``load_weights`` (``--load-format dummy``).
+- ``w8-group``: ``w8-channel`` with one bf16 scale per :data:`GROUP_SIZE` input weights of a row
+  instead of one per row. ``o_proj`` and ``down_proj`` get no fp32 columns, so their rounding
+  error is the whole int8 error of ``w8-channel``; a group's maximum sits closer to its typical
+  weight than a whole row's, which shrinks the rounding step. Products go through the package's
+  kernel, which multiplies each group's dot product by its scale in registers (up to
+  :data:`GROUPED_KERNEL_MAX_ROWS` rows, in blocks of its row cap, so such a row's result never
+  depends on its neighbours). A longer prefill, or any call where the kernel is off, dequantizes
+  the weights to bf16 (one more rounding per weight) for torch's bf16 GEMM.
 
 With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
 and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
@@ -71,6 +80,13 @@ logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log
 
 W8_METHOD = TALKER_INT8_METHODS["w8-channel"]
 W8_PLAIN_METHOD = TALKER_INT8_METHODS["w8-plain"]
+W8_GROUP_METHOD = TALKER_INT8_METHODS["w8-group"]
+
+# ``w8-group``'s input weights per scale: one kernel block (the kernel's groups are whole blocks of
+# 64). A layer whose input width it does not divide keeps one scale per row (none in Qwen3-TTS).
+GROUP_SIZE = 64
+# Rows up to which ``w8-group`` multiplies through the kernel; more are dequantized to bf16 first.
+GROUPED_KERNEL_MAX_ROWS = 32
 
 # The talker's decoder linears: vLLM's Qwen3Model under the talker's "model" prefix. The code
 # predictor's layers ("code_predictor.model.layers...") are nn.Linear and never reach here.
@@ -109,9 +125,10 @@ class TalkerW8LinearMethod(LinearMethodBase):
 
     kernel = True
 
-    def __init__(self, float_columns: bool = True) -> None:
+    def __init__(self, float_columns: bool = True, group_size: int = 0) -> None:
         super().__init__()
         self.float_columns = float_columns
+        self.group_size = group_size  # 0: one scale per output row
 
     def create_weights(
         self,
@@ -139,7 +156,13 @@ class TalkerW8LinearMethod(LinearMethodBase):
         w = layer.weight.data
         gain = getattr(layer, "input_gain", None)
         cols = outlier_channels(gain) if self.float_columns and gain is not None else None
-        q, s, cols, fw = quantize_with_float_columns(w, cols)
+        group = self.group_size if self.group_size and w.shape[1] % self.group_size == 0 else 0
+        if self.group_size and not group:
+            logger.warning(
+                "talker int8: input width %d is not a multiple of %d; this layer keeps one scale per row",
+                w.shape[1], self.group_size,
+            )  # fmt: skip
+        q, s, cols, fw = quantize_with_float_columns(w, cols, group)
         layer.input_gain = None  # read once: the columns are chosen
         layer.register_buffer("qweight", q)
         layer.register_buffer("scales", s.to(torch.bfloat16))
@@ -202,10 +225,12 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x @ (qweight * scales[:, None]).T (+ x[:, float_cols] @ float_weight.T) (+ bias)`` with bf16
     activations into the int8 product, out in ``x.dtype`` (``gemv``: the package's kernel for 1-8
-    rows, eager)."""
+    rows, eager). Group scales ``[N, G]`` scale each row's ``G`` groups of weights apart."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k).to(torch.bfloat16)
-    if gemv and cpu_gemv.accepts(x2, qweight, scales):
+    if scales.dim() == 2:
+        y = _grouped_product(x2, qweight, scales, gemv)
+    elif gemv and cpu_gemv.accepts(x2, qweight, scales):
         y = cpu_gemv.gemv(x2, qweight, scales)
     elif kernel:
         y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)
@@ -218,6 +243,23 @@ def int8_linear(
     if bias is not None:
         y = y + bias.to(x.dtype)
     return y.reshape(*x.shape[:-1], n)
+
+
+def _grouped_product(
+    x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gemv: bool
+) -> torch.Tensor:
+    # torch has no int8 kernel with group scales: the package's kernel, in blocks of its row cap
+    # up to GROUPED_KERNEL_MAX_ROWS; beyond that (a prompt's prefill) one dequantization and a
+    # bf16 GEMM cost less than the kernel's repeated passes over the weights.
+    rows = x2.shape[0]
+    if gemv and cpu_gemv.accepts(x2[:1], qweight, scales, traced=True):
+        if torch.compiler.is_compiling() or cpu_gemv.MAX_ROWS < rows <= GROUPED_KERNEL_MAX_ROWS:
+            return cpu_gemv.gemv_op(x2, qweight, scales)
+        if rows <= cpu_gemv.MAX_ROWS:
+            return cpu_gemv.gemv(x2, qweight, scales)
+    n, k = qweight.shape
+    w = (qweight.view(n, scales.shape[1], -1).to(torch.bfloat16) * scales[..., None]).view(n, k)
+    return F.linear(x2, w)
 
 
 _KERNEL_STATUS: list[str | None] = []
@@ -245,6 +287,7 @@ class TalkerW8Config(QuantizationConfig):
 
     scheme = "w8-channel"
     float_columns = True
+    group_size = 0
 
     def __init__(self) -> None:
         super().__init__()
@@ -271,7 +314,7 @@ class TalkerW8Config(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None  # embeddings, the codec head, attention: their unquantized defaults
         if is_talker_decoder_linear(prefix):
-            return TalkerW8LinearMethod(float_columns=self.float_columns)
+            return TalkerW8LinearMethod(float_columns=self.float_columns, group_size=self.group_size)
         return UnquantizedLinearMethod()
 
 
@@ -282,10 +325,19 @@ class TalkerW8PlainConfig(TalkerW8Config):
     float_columns = False
 
 
+class TalkerW8GroupConfig(TalkerW8Config):
+    """``omni_cpu_talker_w8_group`` (``w8-group``): ``w8-channel`` with a scale per group of
+    :data:`GROUP_SIZE` input weights."""
+
+    scheme = "w8-group"
+    group_size = GROUP_SIZE
+
+
 # Method name -> config class, registered with vLLM by :func:`register`.
 CONFIGS: dict[str, type[QuantizationConfig]] = {
     W8_METHOD: TalkerW8Config,
     W8_PLAIN_METHOD: TalkerW8PlainConfig,
+    W8_GROUP_METHOD: TalkerW8GroupConfig,
 }
 
 
@@ -315,5 +367,14 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
     kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
     # The few-row products: the C kernel, or torch's and why (as each layer read it when processed).
     kernel = f"{kernel}; {cpu_gemv.status()}"
-    cols = ", outlier input columns fp32 from the RMSNorm gains" if quant_config.float_columns else ""
+    cols = ""
+    if quant_config.group_size:
+        # Group scales: the package's kernel for every row count, else dequantized per call.
+        kernel = (
+            f"{cpu_gemv.kernel_name()} for 1-{GROUPED_KERNEL_MAX_ROWS} rows, dequantized to bf16 beyond"
+            if cpu_gemv.wanted()
+            else f"dequantized to bf16 per call ({cpu_gemv.status()})"
+        )
+        cols = f", scales per {quant_config.group_size} input weights"
+    cols += ", outlier input columns fp32 from the RMSNorm gains" if quant_config.float_columns else ""
     return f"{quant_config.scheme} ({count} decoder linears{cols}, {kernel})"
