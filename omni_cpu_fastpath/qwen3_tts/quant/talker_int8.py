@@ -114,11 +114,13 @@ def reference_linears() -> Iterator[None]:
 
 
 class TalkerW8LinearMethod(LinearMethodBase):
-    """Per-output-channel symmetric int8 weights quantized at load, ``_weight_int8pack_mm`` at call.
+    """Symmetric int8 weights quantized at load: per output channel (``_weight_int8pack_mm`` at
+    call), or per group of input weights (the package's kernel, :func:`int8_linear`).
 
     ``create_weights`` makes the same float parameter as vLLM's unquantized method (so the layer's
     own ``weight_loader`` fills its shards); ``process_weights_after_loading`` replaces it with
-    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers. ``float_columns`` (``w8-channel``):
+    int8 ``qweight [N, K]`` and bf16 ``scales [N]`` buffers (``[N, K // group_size]`` with
+    ``group_size``, ``w8-group``). ``float_columns`` (``w8-channel``, ``w8-group``):
     the input columns :func:`set_input_gain` marks stay fp32 as ``float_cols [c]`` and
     ``float_weight [N, c]`` (module docstring); None where there are none.
     """
