@@ -151,11 +151,8 @@ __attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w,
             acc[m] = s;                                                                              \
         }                                                                                            \
     }
-#define DEFINE_KIND(ISA, KIND, OPS)                                                                  \
-    DEFINE_GROUP(ISA, 1, KIND, OPS)                                                                  \
-    DEFINE_GROUP(ISA, 2, KIND, OPS)                                                                  \
-    DEFINE_GROUP(ISA, 3, KIND, OPS)                                                                  \
-    DEFINE_GROUP(ISA, 4, KIND, OPS)                                                                  \
+/* A path's channel function: its variant for `rows` rows of x (4 for more: the caller's GROUP). */
+#define DEFINE_CHANNEL(ISA, KIND)                                                                    \
     static void ISA##_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs, \
                              Py_ssize_t group, float *acc) {                                         \
         switch (rows) {                                                                              \
@@ -165,6 +162,12 @@ __attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w,
             default: ISA##_group4_##KIND(x, k, w, gs, group, acc); break;                            \
         }                                                                                            \
     }
+#define DEFINE_KIND(ISA, KIND, OPS)                                                                  \
+    DEFINE_GROUP(ISA, 1, KIND, OPS)                                                                  \
+    DEFINE_GROUP(ISA, 2, KIND, OPS)                                                                  \
+    DEFINE_GROUP(ISA, 3, KIND, OPS)                                                                  \
+    DEFINE_GROUP(ISA, 4, KIND, OPS)                                                                  \
+    DEFINE_CHANNEL(ISA, KIND)
 DEFINE_KIND(avx2, i8, AVX2_OPS)
 DEFINE_KIND(avx2, bf16, AVX2_OPS)
 DEFINE_KIND(avx512, i8, AVX512_OPS)
@@ -269,18 +272,8 @@ DEFINE_BF16DOT_ROWS(2)
 DEFINE_BF16DOT_ROWS(3)
 DEFINE_BF16DOT_ROWS(4)
 
-#define DEFINE_BF16DOT_KIND(KIND)                                                                    \
-    static void bf16dot_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs, \
-                               Py_ssize_t group, float *acc) {                                       \
-        switch (rows) {                                                                              \
-            case 1: bf16dot_group1_##KIND(x, k, w, gs, group, acc); break;                           \
-            case 2: bf16dot_group2_##KIND(x, k, w, gs, group, acc); break;                           \
-            case 3: bf16dot_group3_##KIND(x, k, w, gs, group, acc); break;                           \
-            default: bf16dot_group4_##KIND(x, k, w, gs, group, acc); break;                          \
-        }                                                                                            \
-    }
-DEFINE_BF16DOT_KIND(i8)
-DEFINE_BF16DOT_KIND(bf16)
+DEFINE_CHANNEL(bf16dot, i8)
+DEFINE_CHANNEL(bf16dot, bf16)
 
 typedef void (*channel_fn)(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs,
                            Py_ssize_t group, float *acc);

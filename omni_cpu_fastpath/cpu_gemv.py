@@ -184,51 +184,50 @@ def _(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None
 
 def _self_check(ext: Any) -> str | None:
     """None when the kernel matches a float64 product on odd shapes, in every instruction set this
-    CPU runs, else what differed."""
+    CPU runs, per-row and group scales, else what differed."""
     g = torch.Generator().manual_seed(0)
     f32 = torch.float32  # explicit: vLLM loads a model under its dtype as torch's default
+    isas = range(ext.simd()[0] + 1)
     for rows, k, n in ((1, 1037, 70), (3, 64, 33), (8, 200, 17)):
         s = torch.rand(n, generator=g, dtype=f32) / 100
         int8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         int8[0, :3] = torch.tensor([-128, 0, 127], dtype=torch.int8)  # the edges of the bf16 lookup
         bf16 = torch.randn(n, k, generator=g, dtype=f32).to(torch.bfloat16)
         x32 = torch.randn(rows, k, generator=g, dtype=f32)
-        for (w, kind, scale), x, isa in itertools.product(
-            ((int8, 0, s), (bf16, 1, None)), (x32, x32.to(torch.bfloat16)), range(ext.simd()[0] + 1)
-        ):
-            y = torch.empty(rows, n, dtype=f32)
-            ptrs = (x.data_ptr(), w.data_ptr(), 0 if scale is None else scale.data_ptr(), y.data_ptr())
-            x_bf16 = x.dtype is torch.bfloat16
-            ext.gemv(ptrs[0], x_bf16, rows, k, ptrs[1], kind, k, n, ptrs[2], False, ptrs[3], False, 1, isa)
-            sd = 1.0 if scale is None else scale.double()
-            ref = (x.double() @ w.double().T) * sd
-            # float32: k rounded products, k - 1 additions, the scale's product, each within 2^-24.
-            bound = (k + 2) * 2.0**-24 * ((x.double().abs() @ w.double().abs().T) * sd) + 1e-30
-            if not bool(((y.double() - ref).abs() <= bound).all()):
-                err = (y.double() - ref).abs().max().item()
-                return f"{w.dtype} x {x.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}: max error {err:.3g}"
-    return _self_check_groups(ext, g)
-
-
-def _self_check_groups(ext: Any, g: torch.Generator) -> str | None:
-    """:func:`_self_check` for int8 weights with group scales (each group's sum times its scale)."""
-    f32 = torch.float32
+        for (w, scale), x, isa in itertools.product(((int8, s), (bf16, None)), (x32, x32.bfloat16()), isas):
+            if error := _mismatch(ext, x, w, scale, 0, isa):
+                return error
     for rows, k, n, group in ((1, 384, 70, 128), (5, 256, 33, 64)):
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         s = (torch.rand(n, k // group, generator=g, dtype=f32) / 100 + 1e-3).to(torch.bfloat16)
         x32 = torch.randn(rows, k, generator=g, dtype=f32)
-        sd = s.double().repeat_interleave(group, dim=1)
-        for x, isa in itertools.product((x32, x32.to(torch.bfloat16)), range(ext.simd()[0] + 1)):
-            y = torch.empty(rows, n, dtype=f32)
-            x_bf16 = x.dtype is torch.bfloat16
-            ext.gemv(x.data_ptr(), x_bf16, rows, k, q.data_ptr(), 0, k, n, s.data_ptr(), True, y.data_ptr(),
-                     False, 1, isa, group)  # fmt: skip
-            ref = x.double() @ (q.double() * sd).T
-            bound = (k + 2 * (k // group) + 2) * 2.0**-24 * (
-                x.double().abs() @ (q.double().abs() * sd).T
-            ) + 1e-30
-            if not bool(((y.double() - ref).abs() <= bound).all()):
-                err = (y.double() - ref).abs().max().item()
-                what = f"int8 groups of {group} x {x.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}"
-                return f"{what}: max error {err:.3g}"
+        for x, isa in itertools.product((x32, x32.bfloat16()), isas):
+            if error := _mismatch(ext, x, q, s, group, isa):
+                return error
     return None
+
+
+def _mismatch(
+    ext: Any, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, group: int, isa: int
+) -> str | None:
+    """The kernel's ``x @ w.T`` (per-row ``scale [N]``, or with ``group`` bf16 scales
+    ``[N, K // group]``) against float64: None within float32 accumulation, else what differed."""
+    rows, k = x.shape
+    n = w.shape[0]
+    y = torch.empty(rows, n, dtype=torch.float32)
+    scale_ptr, scale_bf16 = (0, False) if scale is None else (scale.data_ptr(), scale.dtype is torch.bfloat16)
+    ext.gemv(x.data_ptr(), x.dtype is torch.bfloat16, rows, k, w.data_ptr(), _WEIGHT_KINDS[w.dtype], k, n,
+             scale_ptr, scale_bf16, y.data_ptr(), False, 1, isa, group)  # fmt: skip
+    wd = w.double()
+    if scale is not None:
+        wd = wd * (scale.double().repeat_interleave(group, dim=1) if group else scale.double()[:, None])
+    ref = x.double() @ wd.T
+    # float32: k rounded products, k - 1 additions, the scale's product (with groups: each group's
+    # product and addition), each within 2^-24.
+    terms = k + 2 + (2 * (k // group) if group else 0)
+    bound = terms * 2.0**-24 * (x.double().abs() @ wd.abs().T) + 1e-30
+    if bool(((y.double() - ref).abs() <= bound).all()):
+        return None
+    err = (y.double() - ref).abs().max().item()
+    groups = f" in groups of {group}" if group else ""
+    return f"{w.dtype}{groups} x {x.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}: max error {err:.3g}"

@@ -365,18 +365,19 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
     if not isinstance(quant_config, TalkerW8Config):
         return f"off ({quant_config.get_name()} quantization)"
     count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
-    why = kernel_status()
-    kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
-    # The few-row products: the C kernel, or torch's and why (as each layer read it when processed).
-    kernel = f"{kernel}; {cpu_gemv.status()}"
-    cols = ""
     if quant_config.group_size:
-        # Group scales: the package's kernel for every row count, else dequantized per call.
+        # Group scales: the package's kernel (up to a row count), else dequantized per call.
         kernel = (
             f"{cpu_gemv.kernel_name()} for 1-{GROUPED_KERNEL_MAX_ROWS} rows, dequantized to bf16 beyond"
             if cpu_gemv.wanted()
             else f"dequantized to bf16 per call ({cpu_gemv.status()})"
         )
         cols = f", scales per {quant_config.group_size} input weights"
+    else:
+        why = kernel_status()
+        kernel = "_weight_int8pack_mm" if why is None else f"dequantized per call ({why})"
+        # The few-row products: the C kernel, or torch's and why (as each layer read it when processed).
+        kernel = f"{kernel}; {cpu_gemv.status()}"
+        cols = ""
     cols += ", outlier input columns fp32 from the RMSNorm gains" if quant_config.float_columns else ""
     return f"{quant_config.scheme} ({count} decoder linears{cols}, {kernel})"
