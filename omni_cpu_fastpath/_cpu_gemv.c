@@ -371,12 +371,108 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Dequantization of int8 weights with bf16 group scales, for a prefill long enough that one bf16
+ * (or float32) GEMM beats repeated passes of the few-row product over the weights:
+ *
+ *   dequantize(w, n, k, scale, group, out, out_bf16, threads, isa)
+ *
+ * out[j, i] = w[j, i] * scale[j, i / group] as [n, k], rounded to bf16 (nearest even) or kept in
+ * float32. An int8 times a bf16 is exact in float32, so the bf16 result is torch's
+ * `w.to(bfloat16) * scale` bit for bit, in one pass over the weights instead of torch's two. */
+static inline void round_store_scalar(float v, void *out, Py_ssize_t i, int out_bf16) {
+    if (out_bf16)
+        ((uint16_t *)out)[i] = float_to_bf16(v);
+    else
+        ((float *)out)[i] = v;
+}
+
+static void dequant_row_scalar(const int8_t *w, const uint16_t *s, Py_ssize_t k, Py_ssize_t group, void *out,
+                               int out_bf16) {
+    for (Py_ssize_t i = 0; i < k; i++) round_store_scalar((float)w[i] * bf16_to_float(s[i / group]), out, i, out_bf16);
+}
+
+/* Round float32 lanes to bf16, nearest even (finite values: int8 times a finite scale). */
+__attribute__((target("avx2,fma"))) static inline __m256i round_bf16_avx2(__m256 v) {
+    __m256i u = _mm256_castps_si256(v);
+    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    return _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+}
+
+__attribute__((target("avx2,fma"))) static void dequant_row_avx2(const int8_t *w, const uint16_t *s, Py_ssize_t k,
+                                                                  Py_ssize_t group, void *out, int out_bf16) {
+    for (Py_ssize_t g0 = 0; g0 < k; g0 += group) {
+        const __m256 scale = _mm256_set1_ps(bf16_to_float(s[g0 / group]));
+        for (Py_ssize_t i = g0; i < g0 + group; i += 16) {
+            __m256 lo = _mm256_mul_ps(widen8_i8(w, i), scale), hi = _mm256_mul_ps(widen8_i8(w, i + 8), scale);
+            if (out_bf16) {
+                /* packus interleaves 128-bit lanes; the permute puts them back in order */
+                __m256i packed = _mm256_packus_epi32(round_bf16_avx2(lo), round_bf16_avx2(hi));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), _mm256_permute4x64_epi64(packed, 0xD8));
+            } else {
+                _mm256_storeu_ps((float *)out + i, lo);
+                _mm256_storeu_ps((float *)out + i + 8, hi);
+            }
+        }
+    }
+}
+
+__attribute__((target(AVX512))) static void dequant_row_avx512(const int8_t *w, const uint16_t *s, Py_ssize_t k,
+                                                                Py_ssize_t group, void *out, int out_bf16) {
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff);
+    for (Py_ssize_t g0 = 0; g0 < k; g0 += group) {
+        const __m512 scale = _mm512_set1_ps(bf16_to_float(s[g0 / group]));
+        for (Py_ssize_t i = g0; i < g0 + group; i += 16) {
+            __m512 v = _mm512_mul_ps(widen16_i8(w, i), scale);
+            if (out_bf16) {
+                __m512i u = _mm512_castps_si512(v);
+                __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(u, 16), one), half);
+                __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16));
+                _mm256_storeu_si256((__m256i *)((uint16_t *)out + i), h);
+            } else {
+                _mm512_storeu_ps((float *)out + i, v);
+            }
+        }
+    }
+}
+
+typedef void (*dequant_fn)(const int8_t *w, const uint16_t *s, Py_ssize_t k, Py_ssize_t group, void *out,
+                           int out_bf16);
+
+static PyObject *dequantize(PyObject *self, PyObject *args) {
+    unsigned long long w_addr, scale_addr, out_addr;
+    Py_ssize_t n, k, group;
+    int out_bf16, threads, isa;
+    if (!PyArg_ParseTuple(args, "KnnKnKpii", &w_addr, &n, &k, &scale_addr, &group, &out_addr, &out_bf16, &threads,
+                          &isa))
+        return NULL;
+    if (n < 1 || k < 1 || group < 64 || group % 64 || k % group || threads < 1 || isa < 0 || isa > cpu_isa) {
+        PyErr_Format(PyExc_ValueError,
+                     "dequantize: n and k must be positive, group a positive multiple of 64 dividing k, "
+                     "threads >= 1, isa 0..%d (this CPU's widest)",
+                     cpu_isa);
+        return NULL;
+    }
+    static const dequant_fn ROWS[4] = {dequant_row_scalar, dequant_row_avx2, dequant_row_avx512, dequant_row_avx512};
+    const dequant_fn row = ROWS[isa];
+    const int8_t *w = (const int8_t *)(uintptr_t)w_addr;
+    const uint16_t *s = (const uint16_t *)(uintptr_t)scale_addr;
+    char *out = (char *)(uintptr_t)out_addr;
+    const size_t out_size = out_bf16 ? sizeof(uint16_t) : sizeof(float);
+    Py_BEGIN_ALLOW_THREADS
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (Py_ssize_t j = 0; j < n; j++)
+        row(w + j * k, s + j * (k / group), k, group, out + (size_t)j * (size_t)k * out_size, out_bf16);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *simd(PyObject *self, PyObject *args) {
     return Py_BuildValue("(is)", cpu_isa, ISA_NAMES[cpu_isa]);
 }
 
 static PyMethodDef methods[] = {
     {"gemv", gemv, METH_VARARGS, "y = (x @ w^T) * scale for 1-8 rows of x (see the file's comment)"},
+    {"dequantize", dequantize, METH_VARARGS, "out = w * scale by groups, in bf16 or float32 (see its comment)"},
     {"simd", simd, METH_NOARGS, "(isa, name): the widest instruction set this CPU runs"},
     {NULL, NULL, 0, NULL},
 };

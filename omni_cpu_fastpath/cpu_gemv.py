@@ -15,6 +15,10 @@ opaque op (any row count, in blocks of :data:`MAX_ROWS`), so its weights stay gr
 layer decides when it is built (:func:`wanted`): not where the extension was not built or
 ``VLLM_OMNI_CPU_GEMV=0``; :func:`status` says which. Once per process the kernel is checked
 against a float64 product, and a kernel that disagrees is not used (the status says so).
+
+:func:`dequantize` turns int8 weights with group scales into bf16 in one pass, for a prefill long
+enough that torch's bf16 GEMM beats repeated passes of the few-row product; it is checked bit for
+bit against torch's own multiply in the same self-check.
 """
 
 from __future__ import annotations
@@ -182,6 +186,42 @@ def _(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None
     return x2.new_empty((x2.shape[0], weight.shape[0]))
 
 
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+) -> torch.Tensor:
+    """``qweight * scales`` group by group as ``[N, K]`` in ``dtype`` (bf16 or float32), for a long
+    prefill's GEMM: int8 ``qweight [N, K]`` and bf16 group scales ``[N, G]`` (groups of whole
+    64-weight blocks). The bf16 result is torch's ``qweight.to(bfloat16) * scale`` bit for bit.
+
+    For layers built with :func:`wanted` true; other operands are refused by name."""
+    ext = _extension()[0]
+    if not (
+        qweight.dtype is torch.int8
+        and qweight.dim() == 2
+        and qweight.is_contiguous()
+        and scales.dim() == 2
+        and _scales_fit(scales, qweight)
+        and scales.is_contiguous()
+        and dtype in _ACTIVATIONS
+    ):
+        raise ValueError(
+            "dequantize takes contiguous int8 weights [N, K], bf16 group scales [N, G] with K // G a "
+            f"multiple of 64, and a bf16 or float32 result; got {qweight.dtype} {tuple(qweight.shape)}, "
+            f"{scales.dtype} {tuple(scales.shape)}, {dtype}"
+        )
+    n, k = qweight.shape
+    out = torch.empty(n, k, dtype=dtype)
+    ext.dequantize(qweight.data_ptr(), n, k, scales.data_ptr(), group_size(qweight, scales), out.data_ptr(),
+                   dtype is torch.bfloat16, torch.get_num_threads(), _isa())  # fmt: skip
+    return out
+
+
+def dequantize_reference(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """torch's arithmetic for :func:`dequantize` (where the kernel is off, and its check)."""
+    n, k = qweight.shape
+    return (qweight.view(n, scales.shape[1], -1).to(dtype) * scales.to(dtype)[..., None]).view(n, k)
+
+
 def _self_check(ext: Any) -> str | None:
     """None when the kernel matches a float64 product on odd shapes, in every instruction set this
     CPU runs, per-row and group scales, else what differed."""
@@ -204,7 +244,25 @@ def _self_check(ext: Any) -> str | None:
         for x, isa in itertools.product((x32, x32.bfloat16()), isas):
             if error := _mismatch(ext, x, q, s, group, isa):
                 return error
+        q[0, :3] = torch.tensor([-128, 0, 127], dtype=torch.int8)
+        for dtype, isa in itertools.product(_ACTIVATIONS, isas):
+            if error := _dequantize_mismatch(ext, q, s, group, dtype, isa):
+                return error
     return None
+
+
+def _dequantize_mismatch(
+    ext: Any, q: torch.Tensor, s: torch.Tensor, group: int, dtype: torch.dtype, isa: int
+) -> str | None:
+    """The kernel's dequantization against torch's, bit for bit: None when equal, else what differed."""
+    n, k = q.shape
+    out = torch.empty(n, k, dtype=dtype)
+    ext.dequantize(q.data_ptr(), n, k, s.data_ptr(), group, out.data_ptr(), dtype is torch.bfloat16, 1, isa)
+    ref = dequantize_reference(q, s, dtype)
+    if torch.equal(out.view(-1).view(torch.uint8), ref.view(-1).view(torch.uint8)):
+        return None
+    wrong = int((out != ref).sum())
+    return f"dequantize to {dtype} in groups of {group} n={n} k={k} {_ISA_NAMES[isa]}: {wrong} values differ"
 
 
 def _mismatch(

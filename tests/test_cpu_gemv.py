@@ -161,6 +161,56 @@ def test_accepts_group_scales_only_in_whole_blocks() -> None:
 
 
 @pytest.mark.parametrize("isa", range(len(ISAS)))
+def test_dequantize_equals_float64_rounded_once_in_each_simd(isa: int) -> None:
+    """The prefill's dequantization: every int8 value times its group's bf16 scale, computed in
+    float64 and rounded once (to bf16 by torch's conversion, nearest even, or to float32), bit for
+    bit; the same as torch's own ``q.to(bfloat16) * scale``, with any thread count."""
+    if isa > ISAS.index(widest_simd_by_cpuinfo()):
+        return
+    ext = cpu_gemv._extension()[0]
+    for n, k, group in ((3, 64, 64), (70, 384, 128), (33, 1024, 64), (17, 3072, 192)):
+        g = torch.Generator().manual_seed(n + k)
+        q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        if k >= 256:
+            q[0, :256] = torch.arange(-128, 128, dtype=torch.int8)  # every int8 value
+        s = (torch.randn(n, k // group, generator=g) / 300).to(torch.bfloat16)  # signed, full mantissas
+        exact = q.double() * s.double().repeat_interleave(group, dim=1)
+        for dtype, threads in ((torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 3)):
+            out = torch.empty(n, k, dtype=dtype)
+            ext.dequantize(q.data_ptr(), n, k, s.data_ptr(), group, out.data_ptr(), dtype is torch.bfloat16,
+                           threads, isa)  # fmt: skip
+            bits = torch.int16 if dtype is torch.bfloat16 else torch.int32
+            assert torch.equal(out.view(bits), exact.to(dtype).view(bits)), (ISAS[isa], k, dtype)
+            torch_product = q.view(n, k // group, group).to(dtype) * s.to(dtype)[..., None]
+            assert torch.equal(out, torch_product.view(n, k))
+        # Control: truncating to bf16 instead of rounding is visibly another result.
+        truncated = (exact.float().view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16)
+        assert not torch.equal(truncated, exact.to(torch.bfloat16))
+    out = torch.empty(70, 256, dtype=torch.bfloat16)
+    q = torch.zeros(70, 256, dtype=torch.int8)
+    s = torch.ones(70, 4, dtype=torch.bfloat16)
+    for group in (0, 96, 512, -64):
+        with pytest.raises(ValueError, match="group a positive multiple of 64 dividing k"):
+            ext.dequantize(q.data_ptr(), 70, 256, s.data_ptr(), group, out.data_ptr(), True, 1, isa)
+
+
+def test_dequantize_refuses_operands_by_name() -> None:
+    q = torch.zeros(70, 256, dtype=torch.int8)
+    s = torch.ones(70, 4, dtype=torch.bfloat16)
+    assert cpu_gemv.dequantize(q, s).shape == (70, 256)
+    for bad_q, bad_s, dtype in (
+        (q, torch.ones(70, 8, dtype=torch.bfloat16), torch.bfloat16),  # groups of 32
+        (q, torch.ones(70, 4), torch.bfloat16),  # float32 group scales
+        (q, torch.ones(70, dtype=torch.bfloat16), torch.bfloat16),  # per-row scales
+        (torch.zeros(256, 70, dtype=torch.int8).t(), s, torch.bfloat16),  # not contiguous
+        (q.to(torch.bfloat16), s, torch.bfloat16),
+        (q, s, torch.float16),
+    ):
+        with pytest.raises(ValueError, match="dequantize takes contiguous int8 weights"):
+            cpu_gemv.dequantize(bad_q, bad_s, dtype)
+
+
+@pytest.mark.parametrize("isa", range(len(ISAS)))
 def test_every_int8_value_and_every_tail_width_is_exact_in_each_simd(isa: int) -> None:
     """All 256 int8 values (the bf16 path looks each up in a byte table by magnitude, -128 and 0
     are its edges) in every position of a 64-weight block, with bf16 and float32 activations

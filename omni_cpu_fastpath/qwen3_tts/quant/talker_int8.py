@@ -41,8 +41,9 @@ Activations are never quantized.
   weight than a whole row's, which shrinks the rounding step. Products go through the package's
   kernel, which multiplies each group's dot product by its scale in registers (up to
   :data:`GROUPED_KERNEL_MAX_ROWS` rows, in blocks of its row cap, so such a row's result never
-  depends on its neighbours). A longer prefill, or any call where the kernel is off, dequantizes
-  the weights to bf16 (one more rounding per weight) for torch's bf16 GEMM.
+  depends on its neighbours). A longer prefill dequantizes the weights to bf16 (one more rounding
+  per weight) for torch's bf16 GEMM, in one pass of the package's kernel (``cpu_gemv.dequantize``;
+  where the kernel is off, torch's multiply, the same bits), as does any call where it is off.
 
 With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
 and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
@@ -251,17 +252,17 @@ def _grouped_product(
     x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gemv: bool
 ) -> torch.Tensor:
     # torch has no int8 kernel with group scales: the package's kernel, in blocks of its row cap
-    # up to GROUPED_KERNEL_MAX_ROWS; beyond that (a prompt's prefill) one dequantization and a
-    # bf16 GEMM cost less than the kernel's repeated passes over the weights.
+    # up to GROUPED_KERNEL_MAX_ROWS; beyond that (a prompt's prefill) one dequantization (the
+    # kernel's single pass where it serves, else torch's) and a bf16 GEMM cost less than the
+    # kernel's repeated passes over the weights.
     rows = x2.shape[0]
     if gemv and cpu_gemv.accepts(x2[:1], qweight, scales, traced=True):
         if torch.compiler.is_compiling() or cpu_gemv.MAX_ROWS < rows <= GROUPED_KERNEL_MAX_ROWS:
             return cpu_gemv.gemv_op(x2, qweight, scales)
         if rows <= cpu_gemv.MAX_ROWS:
             return cpu_gemv.gemv(x2, qweight, scales)
-    n, k = qweight.shape
-    w = (qweight.view(n, scales.shape[1], -1).to(torch.bfloat16) * scales[..., None]).view(n, k)
-    return F.linear(x2, w)
+        return F.linear(x2, cpu_gemv.dequantize(qweight, scales))
+    return F.linear(x2, cpu_gemv.dequantize_reference(qweight, scales, torch.bfloat16))
 
 
 _KERNEL_STATUS: list[str | None] = []
