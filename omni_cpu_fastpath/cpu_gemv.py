@@ -79,11 +79,16 @@ def multiplies_bf16_natively() -> bool:
     return _extension()[0] is not None and _isa() == _ISA_CAPS["auto"]
 
 
+def usable() -> bool:
+    """Whether the kernel is built and passed its check in this process (whatever the flags say)."""
+    return _extension()[0] is not None
+
+
 def wanted() -> bool:
     """Whether layers built now take the kernel: ``VLLM_OMNI_CPU_GEMV`` on and the kernel usable.
 
     Layers read this once, when they are built, not per call."""
-    return bool(envs.get("VLLM_OMNI_CPU_GEMV")) and _extension()[0] is not None
+    return bool(envs.get("VLLM_OMNI_CPU_GEMV")) and usable()
 
 
 def status() -> str:

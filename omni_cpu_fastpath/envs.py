@@ -57,7 +57,7 @@ class Flag:
 INT8_VARIANTS = ("off", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel", "w8-bf16head")
 # Schemes of the talker's decoder linears; each is a vLLM quantization method registered by
 # ``qwen3_tts/quant/talker_int8.py`` (names in ``serving/stage_settings.py``).
-TALKER_INT8_SCHEMES = ("off", "w8-channel", "w8-plain", "w8-group")
+TALKER_INT8_SCHEMES = ("auto", "off", "w8-channel", "w8-plain", "w8-group")
 
 FLAGS: dict[str, Flag] = {
     f.name: f
@@ -106,11 +106,13 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "VLLM_OMNI_TALKER_INT8",
             "choice",
-            "off",
+            "auto",
             "int8 scheme for the talker's decoder linears (vLLM quantization method, talker stage only); "
             "w8-channel keeps outlier input columns in fp32, w8-plain does not, w8-group is w8-channel with "
-            "a scale per 64 input weights; the default was chosen "
-            "by measured parity. Off with VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
+            "a scale per 64 input weights. auto: w8-group (chosen by measured parity) where the few-row "
+            "kernel serves and the CPU multiplies bf16 natively, unless VLLM_OMNI_TALKER_COMPILE, "
+            "VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV asks for the bf16 talker; "
+            "else off. Off with VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
             choices=TALKER_INT8_SCHEMES,
         ),
         Flag(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cpu_helpers import native_bf16_by_cpuinfo
 
 from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.serving import deploy_config, stage_settings
@@ -244,7 +245,7 @@ def test_dequantizing_fallback_computes_the_same() -> None:
 def test_bad_flag_value_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w4-group")
     with pytest.raises(
-        envs.FlagError, match=r"VLLM_OMNI_TALKER_INT8='w4-group'.*off\|w8-channel\|w8-plain\|w8-group"
+        envs.FlagError, match=r"VLLM_OMNI_TALKER_INT8='w4-group'.*auto\|off\|w8-channel\|w8-plain\|w8-group"
     ):
         envs.validate_all()
     with pytest.raises(envs.FlagError, match="VLLM_OMNI_TALKER_INT8"):
@@ -262,11 +263,12 @@ def test_flag_selects_the_method_for_the_talker_stage_only(monkeypatch: pytest.M
     monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")  # its own method (test_talker_fp32_prefill)
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
     assert all("quantization" not in s for s in stages)
-    # The default, chosen by the parity rule (README, "Talker int8"): w8-channel fails it at 0.6B.
+    # The default, chosen by the parity rule (README, "Talker int8"): w8-group where it can serve.
     monkeypatch.delenv("VLLM_OMNI_TALKER_INT8", raising=False)
-    assert envs.get("VLLM_OMNI_TALKER_INT8") == "off"
+    assert envs.get("VLLM_OMNI_TALKER_INT8") == "auto"
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
-    assert all("quantization" not in s for s in stages)
+    auto = "omni_cpu_talker_w8_group" if native_bf16_by_cpuinfo() else None
+    assert [s.get("quantization") for s in stages] == [auto, None]
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-channel")
     by_id = {s["stage_id"]: s for s in deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]}
     assert by_id[0]["quantization"] == METHOD and "quantization" not in by_id[1]
@@ -278,6 +280,53 @@ def test_flag_selects_the_method_for_the_talker_stage_only(monkeypatch: pytest.M
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-group")
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
     assert [s.get("quantization") for s in stages] == ["omni_cpu_talker_w8_group", None]
+
+
+def test_auto_serves_w8_group_only_where_nothing_asks_for_the_bf16_talker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``auto`` is w8-group with the fast path on, the few-row kernel on and a CPU that multiplies
+    bf16 natively (by /proc/cpuinfo); a compiled talker, the bf16 talker's own options, the kernel
+    off or the fast path off each leave the talker float, without an error."""
+    talker = stage_settings.QWEN3_TTS_STAGES[0]
+    for name in ("VLLM_OMNI_TALKER_COMPILE", "VLLM_OMNI_TALKER_FP32_PREFILL", "VLLM_OMNI_TALKER_DECODE_GEMV"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
+    native = native_bf16_by_cpuinfo()
+    assert stage_settings.talker_int8_scheme() == ("w8-group" if native else "off")
+    if native:
+        assert stage_settings.stage_quantization(talker) == "omni_cpu_talker_w8_group"
+    bf16_talker = {
+        "VLLM_OMNI_TALKER_COMPILE": ("vllm", None),
+        "VLLM_OMNI_TALKER_FP32_PREFILL": ("on", stage_settings.TALKER_FP32_PREFILL_METHOD),
+        "VLLM_OMNI_TALKER_DECODE_GEMV": ("1", stage_settings.TALKER_DECODE_GEMV_METHOD),
+        "VLLM_OMNI_CPU_GEMV": ("0", None if native else stage_settings.TALKER_FP32_PREFILL_METHOD),
+    }
+    for name, (value, method) in bf16_talker.items():
+        with monkeypatch.context() as m:
+            m.setenv(name, value)
+            assert stage_settings.talker_int8_scheme() == "off", name
+            assert stage_settings.stage_quantization(talker) == method, name
+    # The same settings beside an explicit scheme keep it (or refuse, for the compiled talker).
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-group")
+    monkeypatch.setenv("VLLM_OMNI_CPU_GEMV", "0")
+    assert stage_settings.talker_int8_scheme() == "w8-group"
+    monkeypatch.setenv("VLLM_OMNI_CPU_GEMV", "1")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "vllm")
+    with pytest.raises(
+        envs.FlagError, match=r"VLLM_OMNI_TALKER_COMPILE='vllm'.*VLLM_OMNI_TALKER_INT8='w8-group'"
+    ):
+        stage_settings.stage_quantization(talker)
+    # Stock is stock: auto is off beside the fast path's off switch, and not refused there.
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "off")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "0")
+    assert stage_settings.talker_int8_scheme() == "off"
+    assert stage_settings.stage_quantization(talker) is None
+    assert all(
+        "quantization" not in s for s in deploy_config.cpu_deploy_overlay("base.yaml", [0, 1])["stages"]
+    )
 
 
 def test_fastpath_off_serves_the_stock_float_talker(tiny_model_dir, tmp_path, monkeypatch) -> None:

@@ -282,12 +282,12 @@ def format_sets(environ: Mapping[str, str] | None = None) -> dict[str, dict[str,
     talker and predictor, the fp32 codec), ``flags`` (what ``serve`` runs under these
     ``VLLM_OMNI_*`` flags) and ``fewest-bytes`` (the int8 talker and predictor, the bf16 codec)."""
     from omni_cpu_fastpath import envs
-    from omni_cpu_fastpath.serving.stage_settings import code2wav_dtype
+    from omni_cpu_fastpath.serving.stage_settings import code2wav_dtype, talker_int8_scheme
 
     stock = {"talker": "bfloat16", "predictor": "bfloat16", "code2wav": "float32"}
     if envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
         flags = {
-            "talker": "bfloat16" if envs.get("VLLM_OMNI_TALKER_INT8", environ) == "off" else "int8",
+            "talker": "bfloat16" if talker_int8_scheme(environ) == "off" else "int8",
             "predictor": "bfloat16" if envs.get("VLLM_OMNI_PREDICTOR_INT8", environ) == "off" else "int8",
             "code2wav": code2wav_dtype(environ),
         }

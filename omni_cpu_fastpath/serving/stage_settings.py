@@ -40,6 +40,8 @@ TALKER_INT8_METHODS: dict[str, str] = {
     "w8-plain": "omni_cpu_talker_w8_plain",
     "w8-group": "omni_cpu_talker_w8_group",
 }
+# The scheme VLLM_OMNI_TALKER_INT8=auto serves where it can: the one the parity rule chose (README).
+AUTO_TALKER_INT8 = "w8-group"
 # VLLM_OMNI_TALKER_FP32_PREFILL's method (``qwen3_tts/quant/talker_fp32_prefill.py``), when int8 is off.
 TALKER_FP32_PREFILL_METHOD = "omni_cpu_talker_fp32_prefill"
 # VLLM_OMNI_TALKER_DECODE_GEMV's method: the same one with the prefill left in the model's dtype.
@@ -130,18 +132,18 @@ def stage_quantization(
     does.
 
     Talker int8 is part of the fast path: with VLLM_OMNI_CPU_FASTPATH off the talker stage is the
-    stock one, float, and its default is off. A scheme set explicitly beside it is refused rather
-    than served: the stock talker does not hand the int8 linears their RMSNorm gains, so
+    stock one, float, and its default (``auto``) is off. A scheme set explicitly beside it is
+    refused rather than served: the stock talker does not hand the int8 linears their RMSNorm gains, so
     ``w8-channel`` would silently lose its fp32 columns, and "stock" would not be stock.
     ``environ``: the environment of the server to be started (default: this process's).
     """
     if settings is None or not settings.int8_linears:
         return None
     environ = os.environ if environ is None else environ
-    scheme = envs.get("VLLM_OMNI_TALKER_INT8", environ)
+    scheme = talker_int8_scheme(environ)
     master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
     if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
-        if scheme != "off" and environ.get("VLLM_OMNI_TALKER_INT8") is not None:
+        if scheme != "off":
             raise envs.FlagError(
                 f"VLLM_OMNI_TALKER_INT8={environ['VLLM_OMNI_TALKER_INT8']!r} needs the fast path, but "
                 f"{master} turns it off (the stock, "
@@ -173,6 +175,31 @@ def stage_quantization(
     return TALKER_DECODE_GEMV_METHOD if envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ) else None
 
 
+def talker_int8_scheme(environ: Mapping[str, str] | None = None) -> str:
+    """The scheme VLLM_OMNI_TALKER_INT8 serves: ``auto`` resolved, any other value as set.
+
+    ``auto`` is :data:`AUTO_TALKER_INT8` with the fast path on, the few-row kernel built, checked
+    and on (without it every decode step would dequantize), a CPU that multiplies bf16 natively
+    (the prefill's GEMM is bf16) and nothing set that asks for the bf16 talker: a compiled talker,
+    ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1``. Otherwise ``off``.
+    """
+    scheme = envs.get("VLLM_OMNI_TALKER_INT8", environ)
+    if scheme != "auto":
+        return scheme
+    from omni_cpu_fastpath import cpu_gemv
+
+    served = (
+        envs.get("VLLM_OMNI_CPU_FASTPATH", environ)
+        and envs.get("VLLM_OMNI_TALKER_COMPILE", environ) == "off"
+        and envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) != "on"
+        and not envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ)
+        and envs.get("VLLM_OMNI_CPU_GEMV", environ)
+        and cpu_gemv.usable()
+        and cpu_has_native_bf16()
+    )
+    return AUTO_TALKER_INT8 if served else "off"
+
+
 def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | None = None) -> bool:
     """Whether VLLM_OMNI_TALKER_COMPILE has vLLM compile this stage (``vllm``: its own compilation,
     Inductor, the model traced once for every batch size); otherwise the stage runs eager.
@@ -196,7 +223,7 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
             "eager): set VLLM_OMNI_TALKER_COMPILE=off (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
         )
     branching = {
-        "VLLM_OMNI_TALKER_INT8": envs.get("VLLM_OMNI_TALKER_INT8", environ) != "off",
+        "VLLM_OMNI_TALKER_INT8": talker_int8_scheme(environ) != "off",
         "VLLM_OMNI_TALKER_FP32_PREFILL": envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) == "on",
         "VLLM_OMNI_TALKER_DECODE_GEMV": envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ),
     }
