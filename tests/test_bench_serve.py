@@ -335,6 +335,38 @@ def test_ttfa_floor_adds_the_prefill_and_one_frame_per_request(tmp_path: Path) -
     assert serve.ttfa_floor_ms(config, 0, rows, 1, peak) is None  # no prompt recorded: no figure
 
 
+def test_ttfa_floor_takes_the_peak_of_the_dtype_the_prefill_multiplies_in() -> None:
+    """What the talker recorded (the strings its served statuses write, as the served tests
+    assert them) picks the peak: the fp32 prefill and a float32 model multiply in float32; vLLM's
+    bf16 linears and the int8 talker (dequantized to bf16 for a prefill) in bfloat16."""
+    talker = "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"
+    code2wav = {
+        "model": "omni_cpu_fastpath.qwen3_tts.code2wav.FastQwen3TTSCode2Wav",
+        "model.dtype": "float32",
+    }
+
+    def served(**talker_status: str) -> dict[str, dict[str, str]]:
+        return {"1": code2wav, "2": {"model": talker, **talker_status}}
+
+    bf16 = {"model.dtype": "bfloat16"}
+    assert (
+        serve.prefill_dtype(
+            served(**bf16, **{"talker.prefill": "model dtype (bfloat16; quantization: none)"})
+        )
+        == "bfloat16"
+    )
+    int8 = "model dtype (bfloat16; quantization: omni_cpu_talker_w8_group)"
+    assert serve.prefill_dtype(served(**bf16, **{"talker.prefill": int8})) == "bfloat16"
+    fp32_prefill = (
+        "fp32 from 16 rows (112 decoder linears; 1-8 rows: C kernel (avx2); other rows in bfloat16)"
+    )
+    assert serve.prefill_dtype(served(**bf16, **{"talker.prefill": fp32_prefill})) == "float32"
+    assert serve.prefill_dtype(served(**{"model.dtype": "float32"})) == "float32"
+    # The stock talker records no prefill status: its model dtype.
+    stock = {"model": "vllm_omni.model_executor.models.qwen3_tts.Qwen3TTSTalkerForConditionalGeneration"}
+    assert serve.prefill_dtype({"1": code2wav, "2": {**stock, **bf16}}) == "bfloat16"
+
+
 def test_a_failed_servers_first_error_is_printed_before_the_end_of_its_log() -> None:
     cause = "(EngineCore pid=7) ERROR 12-03 05:00:01 [core.py:1] RuntimeError: the root cause"
     filler = [f"INFO line {i}" for i in range(300)]

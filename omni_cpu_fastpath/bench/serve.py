@@ -29,7 +29,10 @@ figure does not include that wait.
 each floor was measured on, so no schedule runs them faster than that, and an RTF target below it
 cannot be met with these weight formats on this machine. ``ttfa_floor_ms`` likewise bounds the time
 to first audio: the talker's prefill of the prompt (``prefill_tokens``, from the runner's
-``engine.scheduled_tokens``) at the fp32 peak, then one frame of every stage at its floor.
+``engine.scheduled_tokens``) at the measured peak of the dtype its products run in
+(``prefill_dtype``: float32 where the fp32 prefill serves or the model is float32, else the
+model's dtype, which the int8 talker's prefill dequantizes to), then one frame of every stage at
+its floor.
 
 ``processes`` says where the cores went over the measured requests (``bench/cores.py``): each
 server process's share of a core and how often a thread of it was preempted per second.
@@ -177,10 +180,11 @@ def ttfa_floor_ms(
     concurrency: int,
     peak_gflops: float,
 ) -> float | None:
-    """The least time to first audio these floors allow: the prefill's FLOPs over the fp32 peak,
-    then one frame of every stage at its floor for each of ``concurrency`` requests (their first
-    chunk is one frame). ``prefill_tokens``: the largest talker step's tokens (every prompt of a
-    round, where they were scheduled together). None when a stage has no floor."""
+    """The least time to first audio these floors allow: the prefill's FLOPs over ``peak_gflops``
+    (the peak of the dtype it multiplies in), then one frame of every stage at its floor for each
+    of ``concurrency`` requests (their first chunk is one frame). ``prefill_tokens``: the largest
+    talker step's tokens (every prompt of a round, where they were scheduled together). None when
+    a stage has no floor."""
     from .floor import talker_prefill_flops
 
     frame = floor_rtf(rows)
@@ -225,6 +229,17 @@ def _process_of(served: dict[str, dict[str, str]], what: str) -> dict[str, str]:
         if what in components.get("model", "").lower():
             return components
     return {}
+
+
+def prefill_dtype(served: dict[str, dict[str, str]]) -> str:
+    """The dtype the talker's prefill multiplies in, from what the talker recorded: float32 where
+    ``talker.prefill`` says the fp32 prefill serves or ``model.dtype`` is float32; else the
+    model's dtype (bfloat16 for vLLM's linears and for the int8 talker, whose long calls
+    dequantize to it)."""
+    talker = _process_of(served, "talker")
+    if talker.get("talker.prefill", "").startswith("fp32 "):
+        return "float32"
+    return talker.get("model.dtype", "bfloat16")
 
 
 def stage_floors(
@@ -443,12 +458,14 @@ def cli(args: argparse.Namespace) -> int:
             r["floor_rtf"] = floor_rtf(r["stages"])
             tokens = r["summary"].get(step_stats.ENGINE_TOKENS)
             r["prefill_tokens"] = int(tokens["max"]) if tokens and tokens["count"] > 0 else 0
+            r["prefill_dtype"] = prefill_dtype(r["served"])
+            prefill_peak = peaks.get(r["prefill_dtype"], peak)
             r["ttfa_floor_ms"] = ttfa_floor_ms(
                 config,
                 r["prefill_tokens"],
                 r["stages"],
                 concurrency,
-                peak.best_gflops,
+                prefill_peak.best_gflops,
             )
             r["counters"] = _counters(r.pop("summary"))
             r.pop("stats_dir")
@@ -495,7 +512,8 @@ def cli(args: argparse.Namespace) -> int:
     print(
         "\nrtf_floor: the stage floors added up over 80 ms (the stages share the cores each floor "
         "was measured on), the best RTF this machine allows these weight formats; ttfa_floor: the "
-        "prefill of `prompt` tokens at the fp32 peak, then one frame of every stage at its floor"
+        "prefill of `prompt` tokens at the peak of the dtype it multiplies in (fp32 or bf16), then "
+        "one frame of every stage at its floor"
     )
     if len(rows) == 2:
         stock, fast = sorted(rows, key=lambda r: IMPLS.index(r["impl"]))
