@@ -110,9 +110,9 @@ FLAGS: dict[str, Flag] = {
             "int8 scheme for the talker's decoder linears (vLLM quantization method, talker stage only); "
             "w8-channel keeps outlier input columns in fp32, w8-plain does not, w8-group is w8-channel with "
             "a scale per 64 input weights. auto: w8-group (chosen by measured parity) where the few-row "
-            "kernel serves and the CPU multiplies bf16 natively, unless VLLM_OMNI_TALKER_COMPILE, "
-            "VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV asks for the bf16 talker; "
-            "else off. Off with VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
+            "kernel serves and the CPU multiplies bf16 natively, unless VLLM_OMNI_TALKER_FP32_PREFILL=on "
+            "or VLLM_OMNI_TALKER_DECODE_GEMV asks for the bf16 talker; else off. Off with "
+            "VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
             choices=TALKER_INT8_SCHEMES,
         ),
         Flag(
@@ -169,9 +169,9 @@ FLAGS: dict[str, Flag] = {
             "choice",
             "off",
             "off: the talker's decoder runs eager; vllm: vLLM's own compilation (Inductor, traced once "
-            "for every batch size) compiles it at load, cached on disk by vLLM. Not with talker int8, "
-            "VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV=1 (their linears branch on "
-            "the row count); off with VLLM_OMNI_CPU_FASTPATH off.",
+            "for every batch size) compiles it at load, cached on disk by vLLM. Not with talker int8 "
+            "w8-channel or w8-plain, VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV=1 "
+            "(their linears branch on the row count); off with VLLM_OMNI_CPU_FASTPATH off.",
             choices=("off", "vllm"),
         ),
         Flag(

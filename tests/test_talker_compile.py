@@ -81,7 +81,12 @@ def test_bad_values_and_branching_linears_are_refused_by_name(monkeypatch) -> No
     monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "vllm")
     assert stage_settings.stage_compiles(TALKER) and not stage_settings.stage_compiles(CODE2WAV)
     # Linear methods that pick a kernel by the row count: one traced graph would keep one branch.
-    for name, value in (("VLLM_OMNI_TALKER_INT8", "w8-channel"), ("VLLM_OMNI_TALKER_FP32_PREFILL", "on")):
+    branching = (
+        ("VLLM_OMNI_TALKER_INT8", "w8-channel"),
+        ("VLLM_OMNI_TALKER_INT8", "w8-plain"),
+        ("VLLM_OMNI_TALKER_FP32_PREFILL", "on"),
+    )
+    for name, value in branching:
         monkeypatch.setenv(name, value)
         refused = rf"VLLM_OMNI_TALKER_COMPILE='vllm'.*{name}='{value}'"
         with pytest.raises(envs.FlagError, match=refused):
@@ -89,6 +94,13 @@ def test_bad_values_and_branching_linears_are_refused_by_name(monkeypatch) -> No
         with pytest.raises(envs.FlagError, match=refused):
             stage_settings.stage_quantization(TALKER)
         monkeypatch.setenv(name, "off")
+    # w8-group picks inside one opaque op (test_talker_int8.py): served compiled, on both roads.
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-group")
+    assert stage_settings.stage_quantization(TALKER) == stage_settings.TALKER_INT8_METHODS["w8-group"]
+    written = {s["stage_id"]: s for s in deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]}
+    assert written[TALKER.stage_id]["quantization"] == "omni_cpu_talker_w8_group"
+    assert written[TALKER.stage_id]["enforce_eager"] is False
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
     # Stock is stock: the compile beside the fast path off is refused, naming both.
     monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "0")
     with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_TALKER_COMPILE='vllm'.*VLLM_OMNI_CPU_FASTPATH='0'"):
@@ -108,33 +120,40 @@ def test_fp32_prefill_auto_gives_way_to_the_compiled_talker(monkeypatch) -> None
     assert stage_settings.stage_quantization(TALKER) is None
 
 
-@pytest.mark.slow
-def test_served_compiled_talker_matches_its_eager_decoder(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """A real server with the talker compiled: the audio comes, and every position of every talker
-    forward (prefill and decode steps) is within rounding of the same decoder run eager."""
+def _serve_compiled(model: Path, tmp_path: Path, int8: str, seeds: tuple[int, ...]):
+    """Serve ``model`` with the talker compiled, talker int8 ``int8`` and the in-situ parity check;
+    synthesize one request per seed, each whole 80 ms frames. Returns (what the talker recorded as
+    served, the step-stats summary, the server log)."""
     stats = tmp_path / "stats"
     env = {
         "VLLM_OMNI_CPU_FASTPATH": "1",
         "VLLM_OMNI_TALKER_COMPILE": "vllm",
         "VLLM_OMNI_TALKER_PARITY_CHECK": "1",
-        "VLLM_OMNI_TALKER_INT8": "off",
+        "VLLM_OMNI_TALKER_INT8": int8,
         "VLLM_OMNI_STEP_STATS_DIR": str(stats),
         "XDG_CACHE_HOME": str(tmp_path / "cache"),  # vLLM's compile cache too: a cold compile
     }
-    per_frame = serving.sample_rate_of(tiny_model_dir) * 2 // 25  # 80 ms frames
-    with serving.running_server(str(tiny_model_dir), tmp_path / "server.log", env=env) as server:
-        for seed in (1, 2):
+    per_frame = serving.sample_rate_of(model) * 2 // 25  # 80 ms frames
+    with serving.running_server(str(model), tmp_path / "server.log", env=env) as server:
+        for seed in seeds:
             speech = serving.synthesize(server, "Compiled and speaking.", max_frames=FRAMES, seed=seed)
             samples = round(speech.audio_s * speech.sample_rate)
             assert samples > 0 and samples % per_frame == 0, (samples, per_frame)
-    log = (tmp_path / "server.log").read_text(errors="replace")
-    assert "compiled by vLLM (VLLM_OMNI_TALKER_COMPILE)" in log
-    assert "Warming up model for the compilation" in log  # vLLM's CPU runner, compiling
     (talker,) = [s for s in step_stats.served_dir(stats).values() if "talker" in s.get("model", "").lower()]
     assert talker["talker.compile"].startswith("vllm (DYNAMO_TRACE_ONCE, backend inductor"), talker
-    assert talker["talker.int8"] == "off"
     assert talker["talker.parity"].startswith("on (the decoder eager"), talker
-    summary = step_stats.summarize_dir(stats)
+    log = (tmp_path / "server.log").read_text(errors="replace")
+    return talker, step_stats.summarize_dir(stats), log
+
+
+@pytest.mark.slow
+def test_served_compiled_talker_matches_its_eager_decoder(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A real server with the talker compiled: the audio comes, and every position of every talker
+    forward (prefill and decode steps) is within rounding of the same decoder run eager."""
+    talker, summary, log = _serve_compiled(tiny_model_dir, tmp_path, "off", seeds=(1, 2))
+    assert "compiled by vLLM (VLLM_OMNI_TALKER_COMPILE)" in log
+    assert "Warming up model for the compilation" in log  # vLLM's CPU runner, compiling
+    assert talker["talker.int8"] == "off"
     top1, kl = summary["talker.parity.top1"], summary["talker.parity.kl"]
     assert top1["count"] >= 2 * FRAMES, top1
     # Fused kernels reorder fp32 sums and round the bf16 hidden states differently, by a bf16 ulp
@@ -143,3 +162,17 @@ def test_served_compiled_talker_matches_its_eager_decoder(tiny_model_dir: Path, 
     # model's logits are nearly flat, so a near-tie may still swap its top-1 at such a difference.
     assert kl["max"] < 1e-5 and top1["mean"] >= 0.9, (top1, kl)
     assert summary["talker.parity.max_logit_diff"]["max"] < 0.05, summary["talker.parity.max_logit_diff"]
+
+
+@pytest.mark.slow
+def test_served_compiled_int8_talker_keeps_its_parity(tiny_outlier_model_dir: Path, tmp_path: Path) -> None:
+    """The talker compiled with w8-group's linears (``auto`` serves them so where the CPU
+    multiplies bf16 natively): whole frames of audio, and every position of every talker forward
+    against the same decoder run eager with its float linears, within the int8 bounds the eager
+    w8-group server holds (test_talker_int8.py)."""
+    talker, summary, _ = _serve_compiled(tiny_outlier_model_dir, tmp_path, "w8-group", seeds=(4,))
+    assert talker["talker.int8"].startswith("w8-group ("), talker
+    top1, kl = summary["talker.parity.top1"], summary["talker.parity.kl"]
+    assert top1["count"] >= FRAMES, top1
+    assert top1["mean"] >= 0.9 and kl["mean"] < 0.01, (top1, kl)
+    assert summary["talker.parity.max_logit_diff"]["max"] > 0.0  # int8 serves, not the float linears

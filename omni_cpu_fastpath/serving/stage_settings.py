@@ -42,6 +42,9 @@ TALKER_INT8_METHODS: dict[str, str] = {
 }
 # The scheme VLLM_OMNI_TALKER_INT8=auto serves where it can: the one the parity rule chose (README).
 AUTO_TALKER_INT8 = "w8-group"
+# Schemes whose linear method serves a graph traced once for every batch size (VLLM_OMNI_TALKER_COMPILE):
+# the row count is looked at inside one opaque op, not in the traced code.
+COMPILED_TALKER_INT8 = ("w8-group",)
 # VLLM_OMNI_TALKER_FP32_PREFILL's method (``qwen3_tts/quant/talker_fp32_prefill.py``), when int8 is off.
 TALKER_FP32_PREFILL_METHOD = "omni_cpu_talker_fp32_prefill"
 # VLLM_OMNI_TALKER_DECODE_GEMV's method: the same one with the prefill left in the model's dtype.
@@ -164,7 +167,7 @@ def stage_quantization(
             )
         return None
     if scheme != "off":
-        stage_compiles(settings, environ)  # refuses int8 beside a compiled talker
+        stage_compiles(settings, environ)  # refuses the schemes a compiled talker cannot serve
         return TALKER_INT8_METHODS[scheme]
     if stage_compiles(settings, environ):
         # The fp32-prefill method branches on the row count, which a graph traced once for every
@@ -180,7 +183,7 @@ def talker_int8_scheme(environ: Mapping[str, str] | None = None) -> str:
 
     ``auto`` is :data:`AUTO_TALKER_INT8` with the fast path on, the few-row kernel built, checked
     and on (without it every decode step would dequantize), a CPU that multiplies bf16 natively
-    (the prefill's GEMM is bf16) and nothing set that asks for the bf16 talker: a compiled talker,
+    (the prefill's GEMM is bf16) and nothing set that asks for the bf16 talker:
     ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1``. Otherwise ``off``.
     """
     scheme = envs.get("VLLM_OMNI_TALKER_INT8", environ)
@@ -190,7 +193,6 @@ def talker_int8_scheme(environ: Mapping[str, str] | None = None) -> str:
 
     served = (
         envs.get("VLLM_OMNI_CPU_FASTPATH", environ)
-        and envs.get("VLLM_OMNI_TALKER_COMPILE", environ) == "off"
         and envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) != "on"
         and not envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ)
         and envs.get("VLLM_OMNI_CPU_GEMV", environ)
@@ -206,9 +208,9 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
 
     Refused with a :class:`~omni_cpu_fastpath.envs.FlagError` naming both variables, rather than
     served otherwise than asked: beside ``VLLM_OMNI_CPU_FASTPATH`` off (the stock talker runs
-    eager), talker int8, ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1``
-    (linear methods that pick a kernel by the row count, which one traced graph would fix for
-    every batch size).
+    eager), a talker int8 scheme other than :data:`COMPILED_TALKER_INT8`,
+    ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1`` (linear methods that
+    pick a kernel by the row count in traced code, which one graph would fix for every batch size).
     """
     if settings is None or not settings.vllm_compile:
         return False
@@ -223,7 +225,7 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
             "eager): set VLLM_OMNI_TALKER_COMPILE=off (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
         )
     branching = {
-        "VLLM_OMNI_TALKER_INT8": talker_int8_scheme(environ) != "off",
+        "VLLM_OMNI_TALKER_INT8": talker_int8_scheme(environ) not in ("off", *COMPILED_TALKER_INT8),
         "VLLM_OMNI_TALKER_FP32_PREFILL": envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) == "on",
         "VLLM_OMNI_TALKER_DECODE_GEMV": envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ),
     }

@@ -179,7 +179,8 @@ class TalkerW8LinearMethod(LinearMethodBase):
         layer.cpu_gemv = cpu_gemv.wanted()  # decode steps of 1-8 rows: the package's kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if _REFERENCE.get() and layer.reference_weight is not None:
+        # The reference runs eager (talker_parity.eager_decoder); a traced graph never reads it.
+        if not torch.compiler.is_compiling() and layer.reference_weight is not None and _REFERENCE.get():
             return F.linear(x, layer.reference_weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
         return int8_linear(
             x,
@@ -251,18 +252,38 @@ def int8_linear(
 def _grouped_product(
     x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gemv: bool
 ) -> torch.Tensor:
-    # torch has no int8 kernel with group scales: the package's kernel, in blocks of its row cap
-    # up to GROUPED_KERNEL_MAX_ROWS; beyond that (a prompt's prefill) one dequantization (the
-    # kernel's single pass where it serves, else torch's) and a bf16 GEMM cost less than the
-    # kernel's repeated passes over the weights.
-    rows = x2.shape[0]
+    # torch has no int8 kernel with group scales: the package's kernel where it serves, else
+    # torch's dequantization and a bf16 GEMM. A compiled graph calls the kernel's road as one
+    # opaque op, which picks by the row count inside, so one graph serves every batch size with
+    # the eager arithmetic.
     if gemv and cpu_gemv.accepts(x2[:1], qweight, scales, traced=True):
-        if torch.compiler.is_compiling() or cpu_gemv.MAX_ROWS < rows <= GROUPED_KERNEL_MAX_ROWS:
-            return cpu_gemv.gemv_op(x2, qweight, scales)
-        if rows <= cpu_gemv.MAX_ROWS:
-            return cpu_gemv.gemv(x2, qweight, scales)
-        return F.linear(x2, cpu_gemv.dequantize(qweight, scales))
+        if torch.compiler.is_compiling():
+            return grouped_kernel_op(x2, qweight, scales)
+        return _grouped_kernel(x2, qweight, scales)
     return F.linear(x2, cpu_gemv.dequantize_reference(qweight, scales, torch.bfloat16))
+
+
+def _grouped_kernel(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    # Up to GROUPED_KERNEL_MAX_ROWS rows the kernel, in blocks of its row cap (a row's result
+    # never depends on its neighbours); beyond that (a prompt's prefill) one dequantization in a
+    # single pass and a bf16 GEMM cost less than the kernel's repeated passes over the weights.
+    rows = x2.shape[0]
+    if rows <= cpu_gemv.MAX_ROWS:
+        return cpu_gemv.gemv(x2, qweight, scales)
+    if rows <= GROUPED_KERNEL_MAX_ROWS:
+        return torch.cat([cpu_gemv.gemv(part, qweight, scales) for part in x2.split(cpu_gemv.MAX_ROWS)])
+    return F.linear(x2.contiguous(), cpu_gemv.dequantize(qweight, scales))
+
+
+@torch.library.custom_op("omni_cpu_fastpath::grouped_int8_linear", mutates_args=())
+def grouped_kernel_op(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``w8-group``'s product with the package's kernel, as an op a compiled graph calls opaquely."""
+    return _grouped_kernel(x2, qweight, scales)
+
+
+@grouped_kernel_op.register_fake
+def _(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x2.new_empty((x2.shape[0], qweight.shape[0]))
 
 
 _KERNEL_STATUS: list[str | None] = []
