@@ -302,9 +302,13 @@ def test_flag_selects_the_method_for_the_talker_stage_only(monkeypatch: pytest.M
     monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")  # its own method (test_talker_fp32_prefill)
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
     assert all("quantization" not in s for s in stages)
-    # The default, chosen by the parity rule (README, "Talker int8"): w8-group where it can serve.
+    # The default (README, "Talker int8"): off, so that a request's audio never depends on its
+    # batch neighbours; auto, where it can serve, is w8-group (the scheme that passes the parity rule).
     monkeypatch.delenv("VLLM_OMNI_TALKER_INT8", raising=False)
-    assert envs.get("VLLM_OMNI_TALKER_INT8") == "auto"
+    assert envs.get("VLLM_OMNI_TALKER_INT8") == "off"
+    stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
+    assert all("quantization" not in s for s in stages)
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
     auto = "omni_cpu_talker_w8_group" if native_bf16_by_cpuinfo() else None
     assert [s.get("quantization") for s in stages] == [auto, None]

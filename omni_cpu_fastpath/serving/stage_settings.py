@@ -40,7 +40,7 @@ TALKER_INT8_METHODS: dict[str, str] = {
     "w8-plain": "omni_cpu_talker_w8_plain",
     "w8-group": "omni_cpu_talker_w8_group",
 }
-# The scheme VLLM_OMNI_TALKER_INT8=auto serves where it can: the one the parity rule chose (README).
+# The scheme VLLM_OMNI_TALKER_INT8=auto serves where it can: the one that passes the parity rule (README).
 AUTO_TALKER_INT8 = "w8-group"
 # Schemes whose linear method serves a graph traced once for every batch size (VLLM_OMNI_TALKER_COMPILE):
 # the row count is looked at inside one opaque op, not in the traced code.
@@ -135,7 +135,7 @@ def stage_quantization(
     does.
 
     Talker int8 is part of the fast path: with VLLM_OMNI_CPU_FASTPATH off the talker stage is the
-    stock one, float, and its default (``auto``) is off. A scheme set explicitly beside it is
+    stock one, float, and ``auto`` is off. A scheme set explicitly beside it is
     refused rather than served: the stock talker does not hand the int8 linears their RMSNorm gains, so
     ``w8-channel`` would silently lose its fp32 columns, and "stock" would not be stock.
     ``environ``: the environment of the server to be started (default: this process's).
