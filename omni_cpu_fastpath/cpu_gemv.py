@@ -181,6 +181,12 @@ def gemv_op(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None 
 
     Rows beyond :data:`MAX_ROWS` (a batch's 2-token prefill) go in blocks: one graph then serves
     every batch size without branching on it."""
+    return gemv_blocks(x2, weight, scales)
+
+
+def gemv_blocks(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`gemv` for any row count, in blocks of :data:`MAX_ROWS` (each row's result the same
+    whatever its neighbours)."""
     if x2.shape[0] <= MAX_ROWS:
         return gemv(x2, weight, scales)
     return torch.cat([gemv(part, weight, scales) for part in x2.split(MAX_ROWS)])

@@ -267,11 +267,8 @@ def _grouped_kernel(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tenso
     # Up to GROUPED_KERNEL_MAX_ROWS rows the kernel, in blocks of its row cap (a row's result
     # never depends on its neighbours); beyond that (a prompt's prefill) one dequantization in a
     # single pass and a bf16 GEMM cost less than the kernel's repeated passes over the weights.
-    rows = x2.shape[0]
-    if rows <= cpu_gemv.MAX_ROWS:
-        return cpu_gemv.gemv(x2, qweight, scales)
-    if rows <= GROUPED_KERNEL_MAX_ROWS:
-        return torch.cat([cpu_gemv.gemv(part, qweight, scales) for part in x2.split(cpu_gemv.MAX_ROWS)])
+    if x2.shape[0] <= GROUPED_KERNEL_MAX_ROWS:
+        return cpu_gemv.gemv_blocks(x2, qweight, scales)
     return F.linear(x2.contiguous(), cpu_gemv.dequantize(qweight, scales))
 
 
