@@ -37,7 +37,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_ROWS 8
 #define BLOCK_N 64 /* output channels per scheduling unit */
 #define GROUP 4    /* rows of x per call of a channel function: their floats stay in L1 */
 
@@ -210,13 +209,20 @@ __attribute__((target(AVX512BF16))) static inline void widen64_i8(const __m512i 
 }
 
 /* x in widen64_i8's order: per block of 64, its first then its second halves of each lane. */
-static void permute64(const uint16_t *x, Py_ssize_t k, uint16_t *out) {
+__attribute__((target(AVX512BF16))) static void permute64(const uint16_t *x, Py_ssize_t k, uint16_t *out) {
+    /* Word p of each half as an index into the block's 64 words: lane p / 8, word p % 8 (+ 8). */
+    uint16_t first[32], second[32];
+    for (int p = 0; p < 32; p++) {
+        first[p] = (uint16_t)(16 * (p / 8) + p % 8);
+        second[p] = (uint16_t)(first[p] + 8);
+    }
+    const __m512i i0 = _mm512_loadu_si512(first), i1 = _mm512_loadu_si512(second);
     Py_ssize_t kb = k - k % 64;
-    for (Py_ssize_t i = 0; i < kb; i += 64)
-        for (int p = 0; p < 32; p++) {
-            out[i + p] = x[i + 16 * (p / 8) + p % 8];
-            out[i + 32 + p] = x[i + 16 * (p / 8) + 8 + p % 8];
-        }
+    for (Py_ssize_t i = 0; i < kb; i += 64) {
+        __m512i lo = _mm512_loadu_si512(x + i), hi = _mm512_loadu_si512(x + i + 32);
+        _mm512_storeu_si512(out + i, _mm512_permutex2var_epi16(lo, i0, hi));
+        _mm512_storeu_si512(out + i + 32, _mm512_permutex2var_epi16(lo, i1, hi));
+    }
     for (Py_ssize_t i = kb; i < k; i++) out[i] = x[i];
 }
 
@@ -294,6 +300,98 @@ static int detect_isa(void) {
 
 static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512", "avx512bf16"};
 
+/* Many rows of bf16 x on AVX512-BF16 with int8 weights (a prompt's prefill): widening 64 weights
+ * costs about what their products with four rows cost, and the few-row road widens each weight
+ * again for every four rows. There each block of PACK_N output channels is widened once into a
+ * thread's scratch, in the order widen64_i8 hands the weights to vdpbf16ps, and every group of
+ * rows runs over it as bf16 weights (bf16dot_bf16): the same instructions on the same operands,
+ * so each row's result is the few-row road's bit for bit, at any number of rows. */
+#define PACK_N 16 /* channels widened at once: their bf16 stays in L2 while every row passes */
+
+__attribute__((target(AVX512BF16))) static void widen_channels_i8(const int8_t *w, Py_ssize_t ldw, Py_ssize_t k,
+                                                                   Py_ssize_t count, uint16_t *out) {
+    const __m512i t[4] = {_mm512_load_si512(BF16_LO), _mm512_load_si512(BF16_LO + 64), _mm512_load_si512(BF16_HI),
+                          _mm512_load_si512(BF16_HI + 64)};
+    const Py_ssize_t kb = k - k % 64;
+    for (Py_ssize_t j = 0; j < count; j++) {
+        const int8_t *wj = w + j * ldw;
+        uint16_t *oj = out + j * k;
+        for (Py_ssize_t i = 0; i < kb; i += 64) {
+            __m512i a, b;
+            widen64_i8(t, wj + i, &a, &b);
+            _mm512_storeu_si512(oj + i, a);
+            _mm512_storeu_si512(oj + i + 32, b);
+        }
+        for (Py_ssize_t i = kb; i < k; i++) oj[i] = float_to_bf16((float)wj[i]); /* exact */
+    }
+}
+
+/* PACK_CH channels of the scratch for GROUP (four) rows of x: for each channel and row, exactly
+ * bf16dot_group4_bf16's operations (accumulators, order, final sum), with each vector of weights
+ * and of x loaded once for all of them, since here the loads, not the multiplies, would bound it. */
+#define PACK_CH 2
+
+__attribute__((target(AVX512BF16))) static void bf16dot_channels(const uint16_t *x, Py_ssize_t k,
+                                                                  const uint16_t *w, const uint16_t *const *gs,
+                                                                  Py_ssize_t group, float acc[PACK_CH][GROUP]) {
+    __m512 a[PACK_CH][GROUP], b[PACK_CH][GROUP], c[PACK_CH][GROUP];
+    for (int h = 0; h < PACK_CH; h++)
+        for (int m = 0; m < GROUP; m++) c[h][m] = _mm512_setzero_ps();
+    Py_ssize_t kb = k - k % 64;
+    if (!gs[0]) group = kb > 0 ? kb : 1;
+    for (Py_ssize_t g0 = 0; g0 < kb; g0 += group) {
+        for (int h = 0; h < PACK_CH; h++)
+            for (int m = 0; m < GROUP; m++) a[h][m] = b[h][m] = _mm512_setzero_ps();
+        for (Py_ssize_t i = g0; i < g0 + group; i += 64) {
+            __m512i w0[PACK_CH], w1[PACK_CH];
+            for (int h = 0; h < PACK_CH; h++) {
+                w0[h] = _mm512_loadu_si512(w + h * k + i);
+                w1[h] = _mm512_loadu_si512(w + h * k + i + 32);
+            }
+            for (int m = 0; m < GROUP; m++) {
+                __m512i x0 = _mm512_loadu_si512(x + m * k + i), x1 = _mm512_loadu_si512(x + m * k + i + 32);
+                for (int h = 0; h < PACK_CH; h++) {
+                    a[h][m] = _mm512_dpbf16_ps(a[h][m], (__m512bh)w0[h], (__m512bh)x0);
+                    b[h][m] = _mm512_dpbf16_ps(b[h][m], (__m512bh)w1[h], (__m512bh)x1);
+                }
+            }
+        }
+        for (int h = 0; h < PACK_CH; h++) {
+            if (gs[h]) {
+                __m512 sc = _mm512_set1_ps(bf16_to_float(gs[h][g0 / group]));
+                for (int m = 0; m < GROUP; m++) c[h][m] = _mm512_fmadd_ps(_mm512_add_ps(a[h][m], b[h][m]), sc, c[h][m]);
+            } else {
+                for (int m = 0; m < GROUP; m++) c[h][m] = _mm512_add_ps(a[h][m], b[h][m]);
+            }
+        }
+    }
+    for (int h = 0; h < PACK_CH; h++)
+        for (int m = 0; m < GROUP; m++) {
+            float s = _mm512_reduce_add_ps(c[h][m]);
+            for (Py_ssize_t j = kb; j < k; j++) s += load_bf16(w + h * k, j) * bf16_to_float(x[m * k + j]);
+            acc[h][m] = s;
+        }
+}
+
+/* Channel j's results for rows r..r+g-1 of y: acc times the per-row scale, if any, rounded or not. */
+static inline void store_channel(const float *acc, int g, int r, Py_ssize_t j, Py_ssize_t n,
+                                 unsigned long long scale_addr, int scale_bf16, Py_ssize_t group,
+                                 unsigned long long y_addr, int y_bf16) {
+    const int scaled = scale_addr && !group;
+    float s = 1.0f;
+    if (scaled)
+        s = scale_bf16 ? bf16_to_float(((const uint16_t *)(uintptr_t)scale_addr)[j])
+                       : ((const float *)(uintptr_t)scale_addr)[j];
+    for (int m = 0; m < g; m++) {
+        float v = scaled ? acc[m] * s : acc[m];
+        Py_ssize_t at = (Py_ssize_t)(r + m) * n + j;
+        if (y_bf16)
+            ((uint16_t *)(uintptr_t)y_addr)[at] = float_to_bf16(v);
+        else
+            ((float *)(uintptr_t)y_addr)[at] = v;
+    }
+}
+
 static PyObject *gemv(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, scale_addr, y_addr;
     int x_bf16, rows, w_kind, scale_bf16, y_bf16, threads, isa;
@@ -301,12 +399,12 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "KpinKinnKpKpii|n", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
                           &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads, &isa, &group))
         return NULL;
-    if (rows < 1 || rows > MAX_ROWS || k < 1 || n < 1 || ldw < k || threads < 1 || w_kind < 0 || w_kind > 1 ||
-        isa < 0 || isa > cpu_isa) {
+    if (rows < 1 || k < 1 || n < 1 || ldw < k || threads < 1 || w_kind < 0 || w_kind > 1 || isa < 0 ||
+        isa > cpu_isa) {
         PyErr_Format(PyExc_ValueError,
-                     "gemv: rows must be 1..%d, k and n positive, ldw >= k, threads >= 1, w_kind 0 (int8) "
-                     "or 1 (bf16), isa 0..%d (this CPU's widest)",
-                     MAX_ROWS, cpu_isa);
+                     "gemv: rows, k and n must be positive, ldw >= k, threads >= 1, w_kind 0 (int8) or 1 "
+                     "(bf16), isa 0..%d (this CPU's widest)",
+                     cpu_isa);
         return NULL;
     }
     if (group != 0 && (group < 0 || group % 64 || k % group || !scale_addr || !scale_bf16)) {
@@ -321,6 +419,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                                               {bf16dot_i8, bf16dot_bf16}};
     if (isa == 3 && !x_bf16) isa = 2; /* vdpbf16ps would round a float32 x */
     const channel_fn channel = CHANNELS[isa][w_kind];
+    const int widen_once = isa == 3 && w_kind == 0 && rows > GROUP;
     const size_t wsize = w_kind == 0 ? 1 : 2;
     const char *w = (const char *)(uintptr_t)w_addr;
     void *copy = NULL; /* x as the channel function reads it, where that is not x itself */
@@ -331,40 +430,61 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     if (x_bf16 && !(isa == 3 && w_kind == 1)) {
         copy = aligned_alloc(64, (xsize * (size_t)rows * (size_t)k + 63) & ~(size_t)63);
         if (!copy) return PyErr_NoMemory();
-        if (isa == 3)
-            for (int m = 0; m < rows; m++) permute64(xb + (Py_ssize_t)m * k, k, (uint16_t *)copy + (Py_ssize_t)m * k);
-        else
-            for (Py_ssize_t i = 0; i < (Py_ssize_t)rows * k; i++) ((float *)copy)[i] = bf16_to_float(xb[i]);
         x = copy;
     }
     const Py_ssize_t blocks = (n + BLOCK_N - 1) / BLOCK_N;
     Py_BEGIN_ALLOW_THREADS
-#pragma omp parallel for schedule(guided) num_threads(threads)
-    for (Py_ssize_t b = 0; b < blocks; b++) {
-        float acc[MAX_ROWS];
-        Py_ssize_t end = (b + 1) * BLOCK_N < n ? (b + 1) * BLOCK_N : n;
-        /* Rows in groups, each over the whole block: a group's rows of x stay in L1, and the
-         * block's weights, read from memory by the first group, come from cache for the next. */
-        for (int r = 0; r < rows; r += GROUP) {
-            int g = rows - r < GROUP ? rows - r : GROUP;
-            const char *xr = (const char *)x + (size_t)r * (size_t)k * xsize;
-            for (Py_ssize_t j = b * BLOCK_N; j < end; j++) {
-                const uint16_t *gs = group ? (const uint16_t *)(uintptr_t)scale_addr + j * (k / group) : NULL;
-                channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize, gs, group, acc);
-                float s = 1.0f;
-                if (scale_addr && !group)
-                    s = scale_bf16 ? bf16_to_float(((const uint16_t *)(uintptr_t)scale_addr)[j])
-                                   : ((const float *)(uintptr_t)scale_addr)[j];
-                for (int m = 0; m < g; m++) {
-                    float v = scale_addr && !group ? acc[m] * s : acc[m];
-                    Py_ssize_t at = (Py_ssize_t)(r + m) * n + j;
-                    if (y_bf16)
-                        ((uint16_t *)(uintptr_t)y_addr)[at] = float_to_bf16(v);
-                    else
-                        ((float *)(uintptr_t)y_addr)[at] = v;
+#pragma omp parallel num_threads(threads)
+    {
+        /* This thread's widened weights; where it could not be had, the few-row road (same bits). */
+        uint16_t *scratch =
+            widen_once ? aligned_alloc(64, (PACK_N * (size_t)k * sizeof(uint16_t) + 63) & ~(size_t)63) : NULL;
+        if (copy) {
+#pragma omp for schedule(static)
+            for (int m = 0; m < rows; m++) {
+                const uint16_t *xm = xb + (Py_ssize_t)m * k;
+                if (isa == 3)
+                    permute64(xm, k, (uint16_t *)copy + (Py_ssize_t)m * k);
+                else
+                    for (Py_ssize_t i = 0; i < k; i++) ((float *)copy)[(Py_ssize_t)m * k + i] = bf16_to_float(xm[i]);
+            }
+        } /* the loop's barrier: every row of x is ready before any product */
+#pragma omp for schedule(guided)
+        for (Py_ssize_t b = 0; b < blocks; b++) {
+            float acc[GROUP];
+            Py_ssize_t end = (b + 1) * BLOCK_N < n ? (b + 1) * BLOCK_N : n;
+            /* Channels in spans, rows in groups each over the whole span: a group's rows of x stay
+             * in L1, and the span's weights, read from memory by the first group (or widened once
+             * into the scratch), come from cache for the next. */
+            const Py_ssize_t span = scratch ? PACK_N : BLOCK_N;
+            for (Py_ssize_t j0 = b * BLOCK_N; j0 < end; j0 += span) {
+                Py_ssize_t j1 = j0 + span < end ? j0 + span : end;
+                if (scratch) widen_channels_i8((const int8_t *)w + j0 * ldw, ldw, k, j1 - j0, scratch);
+                for (int r = 0; r < rows; r += GROUP) {
+                    int g = rows - r < GROUP ? rows - r : GROUP;
+                    const char *xr = (const char *)x + (size_t)r * (size_t)k * xsize;
+                    for (Py_ssize_t j = j0; j < j1;) {
+                        const uint16_t *gs[PACK_CH];
+                        for (int h = 0; h < PACK_CH; h++)
+                            gs[h] = group ? (const uint16_t *)(uintptr_t)scale_addr + (j + h) * (k / group) : NULL;
+                        if (scratch && g == GROUP && j + PACK_CH <= j1) {
+                            float many[PACK_CH][GROUP];
+                            bf16dot_channels((const uint16_t *)xr, k, scratch + (j - j0) * k, gs, group, many);
+                            for (int h = 0; h < PACK_CH; h++, j++)
+                                store_channel(many[h], g, r, j, n, scale_addr, scale_bf16, group, y_addr, y_bf16);
+                            continue;
+                        }
+                        if (scratch)
+                            bf16dot_bf16(xr, g, k, scratch + (j - j0) * k, gs[0], group, acc);
+                        else
+                            channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize, gs[0], group, acc);
+                        store_channel(acc, g, r, j, n, scale_addr, scale_bf16, group, y_addr, y_bf16);
+                        j++;
+                    }
                 }
             }
         }
+        free(scratch);
     }
     Py_END_ALLOW_THREADS
     free(copy);
@@ -471,7 +591,7 @@ static PyObject *simd(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"gemv", gemv, METH_VARARGS, "y = (x @ w^T) * scale for 1-8 rows of x (see the file's comment)"},
+    {"gemv", gemv, METH_VARARGS, "y = (x @ w^T) * scale (see the file's comment)"},
     {"dequantize", dequantize, METH_VARARGS, "out = w * scale by groups, in bf16 or float32 (see its comment)"},
     {"simd", simd, METH_NOARGS, "(isa, name): the widest instruction set this CPU runs"},
     {NULL, NULL, 0, NULL},

@@ -1,20 +1,22 @@
 """Matrix products for a few rows on CPU (``_cpu_gemv.c``): loading the kernel, checking it, calling it.
 
-``y = (x @ w.T) * scale`` for 1 to :data:`MAX_ROWS` rows of bf16 or float32 ``x`` and int8
-(per-output-channel ``scale [N]``, or bf16 group scales ``[N, K // group]``) or bf16 weights ``w``: the
-decode steps of the talker and the code predictor. The kernel streams each weight row once for every
-row of ``x`` (AVX-512 or AVX2 where the CPU has it, and AVX512-BF16's ``vdpbf16ps`` for bf16 ``x``;
-``VLLM_OMNI_CPU_GEMV_ISA`` caps it), where torch's kernels for the same products run far above the
-weight-streaming floor (ATen's ``_weight_int8pack_mm`` vectorizes only with AVX-512 and widens every
-weight to float32; bf16 products are emulated without AVX512-BF16). Products are exact in float32;
-only the summation order differs from torch's, and a row's result does not depend on its batch
-neighbours or the thread count.
+``y = (x @ w.T) * scale`` for rows of bf16 or float32 ``x`` and int8 (per-output-channel
+``scale [N]``, or bf16 group scales ``[N, K // group]``) or bf16 weights ``w``: the decode steps of
+the talker and the code predictor, 1 to :data:`MAX_ROWS` rows. The kernel streams each weight row
+once for every row of ``x`` (AVX-512 or AVX2 where the CPU has it, and AVX512-BF16's ``vdpbf16ps``
+for bf16 ``x``; ``VLLM_OMNI_CPU_GEMV_ISA`` caps it), where torch's kernels for the same products run
+far above the weight-streaming floor (ATen's ``_weight_int8pack_mm`` vectorizes only with AVX-512
+and widens every weight to float32; bf16 products are emulated without AVX512-BF16). Products are
+exact in float32; only the summation order differs from torch's, and a row's result does not depend
+on its batch neighbours, the row count or the thread count. With AVX512-BF16 it also serves a
+prompt's many rows of int8 weights near a GEMM's speed (each block of weights widened to bf16 once
+for all rows), so such a layer can sum every row the same way from decode to prefill.
 
 Eager calls take :func:`gemv`; a compiled graph calls :func:`gemv_op`, the same kernel as an
-opaque op (any row count, in blocks of :data:`MAX_ROWS`), so its weights stay graph inputs. A
-layer decides when it is built (:func:`wanted`): not where the extension was not built or
-``VLLM_OMNI_CPU_GEMV=0``; :func:`status` says which. Once per process the kernel is checked
-against a float64 product, and a kernel that disagrees is not used (the status says so).
+opaque op (any row count), so its weights stay graph inputs. A layer decides when it is built
+(:func:`wanted`): not where the extension was not built or ``VLLM_OMNI_CPU_GEMV=0``; :func:`status`
+says which. Once per process the kernel is checked against a float64 product, and a kernel that
+disagrees is not used (the status says so).
 
 :func:`dequantize` turns int8 weights with group scales into bf16 in one pass, for a prefill long
 enough that torch's bf16 GEMM beats repeated passes of the few-row product; it is checked bit for
@@ -26,6 +28,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -73,10 +76,17 @@ def kernel_name() -> str:
     return f"C kernel ({_ISA_NAMES[_isa()]})"
 
 
-def multiplies_bf16_natively() -> bool:
+def multiplies_bf16_natively(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the kernel multiplies bf16 activations by ``vdpbf16ps`` (AVX512-BF16), which a
-    caller's row cap depends on: many fewer instructions per weight than widening to float32."""
-    return _extension()[0] is not None and _isa() == _ISA_CAPS["auto"]
+    caller's row cap depends on: many fewer instructions per weight than widening to float32, and
+    int8 weights widened once for all rows of a long prefill. ``environ``: the environment of a
+    server to be started, whose ``VLLM_OMNI_CPU_GEMV_ISA`` counts (default: this process's)."""
+    ext = _extension()[0]
+    if ext is None:
+        return False
+    if environ is None:
+        return _isa() == _ISA_CAPS["auto"]
+    return min(ext.simd()[0], _ISA_CAPS[envs.get("VLLM_OMNI_CPU_GEMV_ISA", environ)]) == _ISA_CAPS["auto"]
 
 
 def usable() -> bool:
@@ -147,7 +157,8 @@ def gemv(
     """``(x2 @ weight.T) * scales`` as ``[rows, N]`` in ``out_dtype`` (default: ``x2``'s dtype); with
     group scales ``[N, G]``, each row's ``G`` groups of weights are scaled apart.
 
-    For layers built with :func:`wanted` true, on operands :func:`accepts` takes.
+    For layers built with :func:`wanted` true, on operands :func:`accepts` takes (with ``traced``,
+    any number of rows: each row's result is the same whatever the others).
     """
     ext = _extension()[0]
     x2 = x2.contiguous()
@@ -177,19 +188,9 @@ def gemv(
 
 @torch.library.custom_op("omni_cpu_fastpath::gemv", mutates_args=())
 def gemv_op(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`gemv` as an op a compiled graph calls opaquely (its weights stay graph inputs).
-
-    Rows beyond :data:`MAX_ROWS` (a batch's 2-token prefill) go in blocks: one graph then serves
-    every batch size without branching on it."""
-    return gemv_blocks(x2, weight, scales)
-
-
-def gemv_blocks(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`gemv` for any row count, in blocks of :data:`MAX_ROWS` (each row's result the same
-    whatever its neighbours)."""
-    if x2.shape[0] <= MAX_ROWS:
-        return gemv(x2, weight, scales)
-    return torch.cat([gemv(part, weight, scales) for part in x2.split(MAX_ROWS)])
+    """:func:`gemv` as an op a compiled graph calls opaquely (its weights stay graph inputs), for
+    any row count (a batch's 2-token prefill too): one graph serves every batch size."""
+    return gemv(x2, weight, scales)
 
 
 @gemv_op.register_fake
@@ -239,7 +240,7 @@ def _self_check(ext: Any) -> str | None:
     g = torch.Generator().manual_seed(0)
     f32 = torch.float32  # explicit: vLLM loads a model under its dtype as torch's default
     isas = range(ext.simd()[0] + 1)
-    for rows, k, n in ((1, 1037, 70), (3, 64, 33), (8, 200, 17)):
+    for rows, k, n in ((1, 1037, 70), (3, 64, 33), (8, 200, 17), (13, 136, 19)):
         s = torch.rand(n, generator=g, dtype=f32) / 100
         int8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         int8[0, :3] = torch.tensor([-128, 0, 127], dtype=torch.int8)  # the edges of the bf16 lookup
@@ -248,7 +249,7 @@ def _self_check(ext: Any) -> str | None:
         for (w, scale), x, isa in itertools.product(((int8, s), (bf16, None)), (x32, x32.bfloat16()), isas):
             if error := _mismatch(ext, x, w, scale, 0, isa):
                 return error
-    for rows, k, n, group in ((1, 384, 70, 128), (5, 256, 33, 64)):
+    for rows, k, n, group in ((1, 384, 70, 128), (5, 256, 33, 64), (13, 128, 19, 64)):
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         s = (torch.rand(n, k // group, generator=g, dtype=f32) / 100 + 1e-3).to(torch.bfloat16)
         x32 = torch.randn(rows, k, generator=g, dtype=f32)

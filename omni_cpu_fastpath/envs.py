@@ -106,14 +106,14 @@ FLAGS: dict[str, Flag] = {
         Flag(
             "VLLM_OMNI_TALKER_INT8",
             "choice",
-            "off",
+            "auto",
             "int8 scheme for the talker's decoder linears (vLLM quantization method, talker stage only); "
             "w8-channel keeps outlier input columns in fp32, w8-plain does not, w8-group is w8-channel with "
-            "a scale per 64 input weights (it passes the parity rule). auto: w8-group where the few-row "
-            "kernel serves and the CPU multiplies bf16 natively, unless VLLM_OMNI_TALKER_FP32_PREFILL=on "
-            "or VLLM_OMNI_TALKER_DECODE_GEMV asks for the bf16 talker; else off. The default is off: int8 "
-            "audio depends on the batch (its prefill and decode rows take different kernels). Off with "
-            "VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
+            "a scale per 64 input weights (it passes the parity rule). auto: w8-group where the package's "
+            "kernel serves and multiplies bf16 by AVX512-BF16 (then every row, a prompt's prefill too, is "
+            "summed as a decode row, so audio does not depend on the batch), unless "
+            "VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV asks for the bf16 talker; "
+            "else off. Off with VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
             choices=TALKER_INT8_SCHEMES,
         ),
         Flag(

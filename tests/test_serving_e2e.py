@@ -2,7 +2,8 @@
 
 One server for the whole module (starting one takes minutes on 2 cores), run the way
 ``omni-cpu-fastpath serve`` runs it, with the fast path on (default flags: the int8 predictor,
-CpuSampler; and code2wav's streaming vocoder in bf16) and step stats recorded, codes included.
+CpuSampler, the int8 talker where the package's kernel multiplies bf16 by AVX512-BF16; and
+code2wav's streaming vocoder in bf16) and step stats recorded, codes included.
 References: the checkpoint's own config (sample rate, frame rate), the same request served alone,
 the codes the runner recorded, the server's own HTTP answers and metrics, and the in-situ parity of
 the int8 predictor against its fp32 copy. Requests are what a real client sends, bad ones and
@@ -24,7 +25,7 @@ from io import BytesIO
 from pathlib import Path
 
 import pytest
-from cpu_helpers import native_bf16_by_cpuinfo
+from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
 
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.serving import commands as serving
@@ -438,11 +439,18 @@ def test_served_path_records_the_model_timers_and_components(server):
     assert talker["predictor.int8"] == "w8-channel"
     # Its decode products (1-8 rows) through the package's C kernel, built by setup.
     assert talker["predictor.int8.product"].startswith("C kernel ("), talker
-    assert talker["talker.int8"] == "off"  # the default (README, "Talker int8")
-    # A prompt's prefill: in fp32 where this CPU has no native bf16 (the default, auto).
-    if native_bf16_by_cpuinfo():
+    # The default (auto, README "Talker int8"): w8-group where the kernel multiplies bf16 by
+    # AVX512-BF16, its prefill too (each row summed as a decode row); elsewhere the bf16 talker,
+    # its prefill in fp32 where the CPU emulates bf16.
+    if native_bf16_by_cpuinfo() and widest_simd_by_cpuinfo() == "avx512bf16":
+        assert talker["talker.int8"].startswith("w8-group ("), talker
+        assert talker["talker.int8"].endswith("C kernel (avx512bf16) for every row count)"), talker
+        assert talker["talker.prefill"] == "model dtype (bfloat16; quantization: omni_cpu_talker_w8_group)"
+    elif native_bf16_by_cpuinfo():
+        assert talker["talker.int8"] == "off"
         assert talker["talker.prefill"] == "model dtype (bfloat16; quantization: none)"
     else:
+        assert talker["talker.int8"] == "off"
         assert talker["talker.prefill"].startswith("fp32 from 16 rows ("), talker
     assert talker["predictor.compile"] == "off"
     assert talker["predictor.parity"].startswith("on")

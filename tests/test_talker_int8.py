@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cpu_helpers import native_bf16_by_cpuinfo
+from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
 
 from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.serving import deploy_config, stage_settings
@@ -136,10 +136,12 @@ def test_w8_channel_keeps_outlier_input_columns_exact() -> None:
 def test_group_method_matches_float64_of_dequantized_weights(dtype: str) -> None:
     """w8-group: one bf16 scale per 64 input weights of a row, each weight within half a step of
     its group's scale (plus the scale's own bf16 rounding); the product is float64's of the
-    dequantized groups for decode rows, a short prefill's (the kernel in blocks: each row the same
-    whatever its neighbours) and a long one's (dequantized to bf16), and where the kernel is off."""
+    dequantized groups for decode rows, a short prefill's and a long one's, and where the kernel is
+    off. Each row of a prefill is that row alone bit for bit, a long prefill's too where the kernel
+    multiplies bf16 natively (elsewhere it is dequantized to bf16 for torch's GEMM)."""
     import torch
 
+    from omni_cpu_fastpath import cpu_gemv
     from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import GROUP_SIZE, GROUPED_KERNEL_MAX_ROWS
 
     torch.manual_seed(3)
@@ -166,7 +168,7 @@ def test_group_method_matches_float64_of_dequantized_weights(dtype: str) -> None
     assert float(s[:, 0].max()) < float(s[:, 1].min())  # column 70 is in the second group
 
     dequantized = q * s_full
-    for rows in (1, 3, 8, 11, GROUPED_KERNEL_MAX_ROWS, GROUPED_KERNEL_MAX_ROWS + 5):
+    for rows in (1, 3, 8, 11, GROUPED_KERNEL_MAX_ROWS, GROUPED_KERNEL_MAX_ROWS + 5, 100):
         x = torch.randn(rows, k).to(dt)
         y = method.apply(layer, x)
         assert y.shape == (rows, n) and y.dtype == dt
@@ -174,8 +176,8 @@ def test_group_method_matches_float64_of_dequantized_weights(dtype: str) -> None
         ref = xb @ dequantized.T + x.double()[:, [200]] @ layer.float_weight.double().T
         err = (y.double() - ref).abs().max() / ref.abs().max()
         assert err < 2**-7, (rows, err)
-        if rows > GROUPED_KERNEL_MAX_ROWS:
-            continue
+        if rows > GROUPED_KERNEL_MAX_ROWS and not cpu_gemv.multiplies_bf16_natively():
+            continue  # dequantized for a bf16 GEMM: another summation order
         alone = torch.cat([method.apply(layer, x[i : i + 1]) for i in range(rows)])
         assert torch.equal(y, alone), rows
     # Control: against the exact product, the groups are well inside per-row scales' error.
@@ -197,7 +199,7 @@ def test_group_method_matches_float64_of_dequantized_weights(dtype: str) -> None
 def test_group_method_compiles_to_one_graph_with_the_eager_arithmetic() -> None:
     """Compiled (as vLLM compiles the talker: traced once, dynamic batch, Inductor), w8-group's
     linear is one graph for every row count, and each count's result is the eager method's bit for
-    bit: decode rows, a short prefill in kernel blocks and a long one dequantized, picked inside one
+    bit: decode rows, a short prefill and a long one, whichever road the row count takes inside one
     opaque op. Control: a function that branches on the rows in traced code compiles twice."""
     import torch
     from torch._dynamo.utils import counters
@@ -302,13 +304,9 @@ def test_flag_selects_the_method_for_the_talker_stage_only(monkeypatch: pytest.M
     monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")  # its own method (test_talker_fp32_prefill)
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
     assert all("quantization" not in s for s in stages)
-    # The default (README, "Talker int8"): off, so that a request's audio never depends on its
-    # batch neighbours; auto, where it can serve, is w8-group (the scheme that passes the parity rule).
+    # The default, chosen by the parity rule (README, "Talker int8"): w8-group where it can serve.
     monkeypatch.delenv("VLLM_OMNI_TALKER_INT8", raising=False)
-    assert envs.get("VLLM_OMNI_TALKER_INT8") == "off"
-    stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
-    assert all("quantization" not in s for s in stages)
-    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
+    assert envs.get("VLLM_OMNI_TALKER_INT8") == "auto"
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
     auto = "omni_cpu_talker_w8_group" if native_bf16_by_cpuinfo() else None
     assert [s.get("quantization") for s in stages] == [auto, None]
@@ -328,22 +326,35 @@ def test_flag_selects_the_method_for_the_talker_stage_only(monkeypatch: pytest.M
 def test_auto_serves_w8_group_only_where_nothing_asks_for_the_bf16_talker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """``auto`` is w8-group with the fast path on, the few-row kernel on and a CPU that multiplies
-    bf16 natively (by /proc/cpuinfo), compiled or not; the bf16 talker's own options, the kernel
-    off or the fast path off each leave the talker float, without an error."""
+    """``auto`` is w8-group with the fast path on and the package's kernel on, multiplying bf16 by
+    AVX512-BF16 (by /proc/cpuinfo: then it serves the prefill too, each row as a decode row),
+    compiled or not; the bf16 talker's own options, the kernel off or capped below AVX512-BF16 or
+    the fast path off each leave the talker float, without an error."""
     talker = stage_settings.QWEN3_TTS_STAGES[0]
-    for name in ("VLLM_OMNI_TALKER_COMPILE", "VLLM_OMNI_TALKER_FP32_PREFILL", "VLLM_OMNI_TALKER_DECODE_GEMV"):
+    for name in (
+        "VLLM_OMNI_TALKER_COMPILE",
+        "VLLM_OMNI_TALKER_FP32_PREFILL",
+        "VLLM_OMNI_TALKER_DECODE_GEMV",
+        "VLLM_OMNI_CPU_GEMV_ISA",
+    ):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
-    native = native_bf16_by_cpuinfo()
+    native = native_bf16_by_cpuinfo() and widest_simd_by_cpuinfo() == "avx512bf16"
     assert stage_settings.talker_int8_scheme() == ("w8-group" if native else "off")
     if native:
         assert stage_settings.stage_quantization(talker) == "omni_cpu_talker_w8_group"
     bf16_talker = {
         "VLLM_OMNI_TALKER_FP32_PREFILL": ("on", stage_settings.TALKER_FP32_PREFILL_METHOD),
         "VLLM_OMNI_TALKER_DECODE_GEMV": ("1", stage_settings.TALKER_DECODE_GEMV_METHOD),
-        "VLLM_OMNI_CPU_GEMV": ("0", None if native else stage_settings.TALKER_FP32_PREFILL_METHOD),
+        "VLLM_OMNI_CPU_GEMV": (
+            "0",
+            None if native_bf16_by_cpuinfo() else stage_settings.TALKER_FP32_PREFILL_METHOD,
+        ),
+        "VLLM_OMNI_CPU_GEMV_ISA": (
+            "avx512",
+            None if native_bf16_by_cpuinfo() else stage_settings.TALKER_FP32_PREFILL_METHOD,
+        ),
     }
     for name, (value, method) in bf16_talker.items():
         with monkeypatch.context() as m:
@@ -533,7 +544,12 @@ def test_served_status_of_the_group_scheme(tiny_outlier_model_dir, monkeypatch) 
     )
     status = talker_int8.served_status(talker, vllm_config.quant_config)
     rows = talker_int8.GROUPED_KERNEL_MAX_ROWS
-    assert status == head + f"{cpu_gemv.kernel_name()} for 1-{rows} rows, dequantized to bf16 beyond)", status
+    if cpu_gemv.multiplies_bf16_natively():
+        assert status == head + f"{cpu_gemv.kernel_name()} for every row count)", status
+    else:
+        assert status == head + f"{cpu_gemv.kernel_name()} for 1-{rows} rows, dequantized to bf16 beyond)", (
+            status
+        )
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         layer = talker.model.layers[0].get_submodule(name)
         assert layer.scales.shape == (

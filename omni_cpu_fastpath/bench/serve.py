@@ -321,7 +321,7 @@ def samples_per_frame(model: Path) -> int:
 
 # The fast path's flags that its off switch refuses when set to anything else.
 STOCK_ROW_FLAGS = {
-    "VLLM_OMNI_TALKER_INT8": "off",
+    "VLLM_OMNI_TALKER_INT8": "auto",
     "VLLM_OMNI_TALKER_FP32_PREFILL": "auto",
     "VLLM_OMNI_TALKER_DECODE_GEMV": "0",
     "VLLM_OMNI_TALKER_COMPILE": "off",

@@ -40,7 +40,7 @@ TALKER_INT8_METHODS: dict[str, str] = {
     "w8-plain": "omni_cpu_talker_w8_plain",
     "w8-group": "omni_cpu_talker_w8_group",
 }
-# The scheme VLLM_OMNI_TALKER_INT8=auto serves where it can: the one that passes the parity rule (README).
+# The scheme VLLM_OMNI_TALKER_INT8=auto serves where it can: the one the parity rule chose (README).
 AUTO_TALKER_INT8 = "w8-group"
 # Schemes whose linear method serves a graph traced once for every batch size (VLLM_OMNI_TALKER_COMPILE):
 # the row count is looked at inside one opaque op, not in the traced code.
@@ -135,7 +135,7 @@ def stage_quantization(
     does.
 
     Talker int8 is part of the fast path: with VLLM_OMNI_CPU_FASTPATH off the talker stage is the
-    stock one, float, and ``auto`` is off. A scheme set explicitly beside it is
+    stock one, float, and its default (``auto``) is off. A scheme set explicitly beside it is
     refused rather than served: the stock talker does not hand the int8 linears their RMSNorm gains, so
     ``w8-channel`` would silently lose its fp32 columns, and "stock" would not be stock.
     ``environ``: the environment of the server to be started (default: this process's).
@@ -181,9 +181,11 @@ def stage_quantization(
 def talker_int8_scheme(environ: Mapping[str, str] | None = None) -> str:
     """The scheme VLLM_OMNI_TALKER_INT8 serves: ``auto`` resolved, any other value as set.
 
-    ``auto`` is :data:`AUTO_TALKER_INT8` with the fast path on, the few-row kernel built, checked
-    and on (without it every decode step would dequantize), a CPU that multiplies bf16 natively
-    (the prefill's GEMM is bf16) and nothing set that asks for the bf16 talker:
+    ``auto`` is :data:`AUTO_TALKER_INT8` with the fast path on, the package's kernel built, checked
+    and on (without it every decode step would dequantize), a CPU that multiplies bf16 natively and
+    a kernel that does so by AVX512-BF16 (not capped by ``VLLM_OMNI_CPU_GEMV_ISA``: only then does it
+    serve a prompt's prefill too, each row summed as a decode row, so a request's audio does not
+    depend on its batch neighbours), and nothing set that asks for the bf16 talker:
     ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1``. Otherwise ``off``.
     """
     scheme = envs.get("VLLM_OMNI_TALKER_INT8", environ)
@@ -196,8 +198,8 @@ def talker_int8_scheme(environ: Mapping[str, str] | None = None) -> str:
         and envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) != "on"
         and not envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ)
         and envs.get("VLLM_OMNI_CPU_GEMV", environ)
-        and cpu_gemv.usable()
         and cpu_has_native_bf16()
+        and cpu_gemv.multiplies_bf16_natively(os.environ if environ is None else environ)
     )
     return AUTO_TALKER_INT8 if served else "off"
 

@@ -39,11 +39,14 @@ Activations are never quantized.
   instead of one per row. ``o_proj`` and ``down_proj`` get no fp32 columns, so their rounding
   error is the whole int8 error of ``w8-channel``; a group's maximum sits closer to its typical
   weight than a whole row's, which shrinks the rounding step. Products go through the package's
-  kernel, which multiplies each group's dot product by its scale in registers (up to
-  :data:`GROUPED_KERNEL_MAX_ROWS` rows, in blocks of its row cap, so such a row's result never
-  depends on its neighbours). A longer prefill dequantizes the weights to bf16 (one more rounding
-  per weight) for torch's bf16 GEMM, in one pass of the package's kernel (``cpu_gemv.dequantize``;
-  where the kernel is off, torch's multiply, the same bits), as does any call where it is off.
+  kernel, which multiplies each group's dot product by its scale in registers, so a row's result
+  never depends on its neighbours. Where the kernel multiplies bf16 natively (AVX512-BF16) it
+  serves every row count, a whole prompt's prefill too: each row is then summed the same way
+  whether it is decoded alone, batched with others or prefilled beside another prompt, as vLLM's
+  bf16 GEMM does for the float talker. Elsewhere it serves up to :data:`GROUPED_KERNEL_MAX_ROWS`
+  rows, and a longer prefill dequantizes the weights to bf16 (one more rounding per weight) for
+  torch's bf16 GEMM, in one pass of the package's kernel (``cpu_gemv.dequantize``; where the kernel
+  is off, torch's multiply, the same bits), as does any call where it is off.
 
 With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
 and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
@@ -86,7 +89,8 @@ W8_GROUP_METHOD = TALKER_INT8_METHODS["w8-group"]
 # ``w8-group``'s input weights per scale: one kernel block (the kernel's groups are whole blocks of
 # 64). A layer whose input width it does not divide keeps one scale per row (none in Qwen3-TTS).
 GROUP_SIZE = 64
-# Rows up to which ``w8-group`` multiplies through the kernel; more are dequantized to bf16 first.
+# Rows up to which ``w8-group`` multiplies through the kernel where it widens int8 to float32
+# (no AVX512-BF16); more are dequantized to bf16 first.
 GROUPED_KERNEL_MAX_ROWS = 32
 
 # The talker's decoder linears: vLLM's Qwen3Model under the talker's "model" prefix. The code
@@ -264,11 +268,11 @@ def _grouped_product(
 
 
 def _grouped_kernel(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    # Up to GROUPED_KERNEL_MAX_ROWS rows the kernel, in blocks of its row cap (a row's result
-    # never depends on its neighbours); beyond that (a prompt's prefill) one dequantization in a
-    # single pass and a bf16 GEMM cost less than the kernel's repeated passes over the weights.
-    if x2.shape[0] <= GROUPED_KERNEL_MAX_ROWS:
-        return cpu_gemv.gemv_blocks(x2, qweight, scales)
+    # With vdpbf16ps the kernel serves a prompt's prefill near a GEMM's speed in the same summation
+    # order as a decode row. Without it, its fp32 widening makes a long prefill cost several passes
+    # over the weights, and one dequantization and a bf16 GEMM cost less (in another order).
+    if x2.shape[0] <= GROUPED_KERNEL_MAX_ROWS or cpu_gemv.multiplies_bf16_natively():
+        return cpu_gemv.gemv(x2, qweight, scales)
     return F.linear(x2.contiguous(), cpu_gemv.dequantize(qweight, scales))
 
 
@@ -385,12 +389,15 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
         return f"off ({quant_config.get_name()} quantization)"
     count = sum(isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod) for m in model.modules())
     if quant_config.group_size:
-        # Group scales: the package's kernel (up to a row count), else dequantized per call.
-        kernel = (
-            f"{cpu_gemv.kernel_name()} for 1-{GROUPED_KERNEL_MAX_ROWS} rows, dequantized to bf16 beyond"
-            if cpu_gemv.wanted()
-            else f"dequantized to bf16 per call ({cpu_gemv.status()})"
-        )
+        # Group scales: the package's kernel (for every row count, or up to one), else dequantized.
+        if not cpu_gemv.wanted():
+            kernel = f"dequantized to bf16 per call ({cpu_gemv.status()})"
+        elif cpu_gemv.multiplies_bf16_natively():
+            kernel = f"{cpu_gemv.kernel_name()} for every row count"
+        else:
+            kernel = (
+                f"{cpu_gemv.kernel_name()} for 1-{GROUPED_KERNEL_MAX_ROWS} rows, dequantized to bf16 beyond"
+            )
         cols = f", scales per {quant_config.group_size} input weights"
     else:
         why = kernel_status()
