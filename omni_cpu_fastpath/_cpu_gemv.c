@@ -1,4 +1,5 @@
-/* Matrix products for a few rows, y = (x @ w^T) * scale, with int8 or bf16 weights w.
+/* Matrix products for decode rows (and, with AVX512-BF16, a prompt's many rows),
+ * y = (x @ w^T) * scale, with int8 or bf16 weights w.
  *
  * A decode step multiplies 1-8 activation rows by each weight matrix, so its time should be the
  * time to stream the weights from memory once. On CPUs without AVX-512 (AMD EPYC before Zen 4,
@@ -21,7 +22,9 @@
  * [rows, k] (bf16 or float32); w is [n, k] with row stride ldw, int8 (w_kind 0) or bf16 (1);
  * scale is [n] (bf16 or float32), or 0 for none; with group > 0 it is instead bf16 [n, k / group],
  * one scale per `group` consecutive weights of a row (k and group multiples of 64): each group's
- * dot product stays in vector registers and is multiplied by its scale there; y is [rows, n] (bf16, rounded to nearest even,
+ * dot product stays in vector registers and is multiplied by its scale there (on the AVX512-BF16
+ * path the weights are instead rounded to bf16 with their scales first, as dequantize() rounds
+ * them: see bf16dot_i8g); y is [rows, n] (bf16, rounded to nearest even,
  * or float32); isa is the widest instruction set to use: 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512
  * and, for bf16 x, AVX512-BF16 (simd() says which this CPU has). Blocks of output channels go
  * to `threads` OpenMP threads (torch's own runtime once torch is loaded) in guided chunks: long
@@ -228,6 +231,19 @@ __attribute__((target(AVX512BF16))) static void permute64(const uint16_t *x, Py_
 
 #define DP(acc, w, x) _mm512_dpbf16_ps(acc, (__m512bh)(w), (__m512bh)_mm512_loadu_si512(x))
 
+/* 64 weights (w0: the first 32 as x reads them, w1: the next 32) into R rows of x from column i:
+ * each row's two sums. */
+__attribute__((target(AVX512BF16), always_inline)) static inline void dp_rows(int R, __m512 *a, __m512 *b,
+                                                                              __m512i w0, __m512i w1,
+                                                                              const uint16_t *x, Py_ssize_t k,
+                                                                              Py_ssize_t i) {
+    for (int m = 0; m < R; m++) {
+        const uint16_t *xm = x + (Py_ssize_t)m * k + i;
+        a[m] = DP(a[m], w0, xm);
+        b[m] = DP(b[m], w1, xm + 32);
+    }
+}
+
 /* 64 bf16 weights as they are: the first 32 in *a, the next 32 in *b, so x is read in its own
  * order (no permuted copy). The tables are unused: one signature for both kinds of weight. */
 __attribute__((target(AVX512BF16))) static inline void widen64_bf16(const __m512i t[4], const void *w, __m512i *a,
@@ -253,11 +269,7 @@ __attribute__((target(AVX512BF16))) static inline void widen64_bf16(const __m512
             for (Py_ssize_t i = g0; i < g0 + group; i += 64) {                                       \
                 __m512i w0, w1;                                                                      \
                 widen64_##KIND(t, (const char *)w + i * WSIZE, &w0, &w1);                            \
-                for (int m = 0; m < R; m++) {                                                        \
-                    const uint16_t *xm = x + (Py_ssize_t)m * k + i;                                  \
-                    a[m] = DP(a[m], w0, xm);                                                         \
-                    b[m] = DP(b[m], w1, xm + 32);                                                    \
-                }                                                                                    \
+                dp_rows(R, a, b, w0, w1, x, k, i);                                                   \
             }                                                                                        \
             if (gs) {                                                                                \
                 __m512 sc = _mm512_set1_ps(bf16_to_float(gs[g0 / group]));                           \
@@ -281,6 +293,41 @@ DEFINE_BF16DOT_ROWS(4)
 DEFINE_CHANNEL(bf16dot, i8)
 DEFINE_CHANNEL(bf16dot, bf16)
 
+/* int8 weights with bf16 group scales: each weight is first dequantized to bf16 as dequantize()
+ * does (the int8 times its group's scale, exact in float32, rounded to nearest even), then
+ * multiplied as a bf16 weight is: no scale per group in the dot product, so a long prefill runs at
+ * the bf16 product's speed over weights dequantized once (see gemv), and a decode row, which
+ * dequantizes on the fly, is summed exactly as such a prefill row. x is read in its own order. */
+__attribute__((target(AVX512BF16))) static inline void dequantize64(const int8_t *w, __m512 sc, __m512i *a,
+                                                                    __m512i *b) {
+    __m512 f[4];
+    for (int q = 0; q < 4; q++)
+        f[q] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + 16 * q)))),
+                             sc);
+    *a = (__m512i)_mm512_cvtne2ps_pbh(f[1], f[0]); /* weights 0-15 in the low half, 16-31 above */
+    *b = (__m512i)_mm512_cvtne2ps_pbh(f[3], f[2]);
+}
+
+/* One output channel for R rows: bf16dot_group<R>_bf16's arithmetic without scales (two sums over
+ * alternate 32-weight halves, added, then reduced) on the weights dequantized block by block. */
+#define DEFINE_BF16DOT_DEQUANT(R)                                                                    \
+    __attribute__((target(AVX512BF16))) static void bf16dot_group##R##_i8g(                            \
+        const uint16_t *x, Py_ssize_t k, const void *w, const uint16_t *gs, Py_ssize_t group, float *acc) { \
+        __m512 a[R], b[R];                                                                           \
+        for (int m = 0; m < R; m++) a[m] = b[m] = _mm512_setzero_ps();                               \
+        for (Py_ssize_t i = 0; i < k; i += 64) { /* k is a multiple of group, a multiple of 64 */    \
+            __m512i w0, w1;                                                                          \
+            dequantize64((const int8_t *)w + i, _mm512_set1_ps(bf16_to_float(gs[i / group])), &w0, &w1); \
+            dp_rows(R, a, b, w0, w1, x, k, i);                                                       \
+        }                                                                                            \
+        for (int m = 0; m < R; m++) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));        \
+    }
+DEFINE_BF16DOT_DEQUANT(1)
+DEFINE_BF16DOT_DEQUANT(2)
+DEFINE_BF16DOT_DEQUANT(3)
+DEFINE_BF16DOT_DEQUANT(4)
+DEFINE_CHANNEL(bf16dot, i8g)
+
 typedef void (*channel_fn)(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs,
                            Py_ssize_t group, float *acc);
 
@@ -303,10 +350,25 @@ static const char *const ISA_NAMES[] = {"scalar", "avx2", "avx512", "avx512bf16"
 /* Many rows of bf16 x on AVX512-BF16 with int8 weights (a prompt's prefill): widening 64 weights
  * costs about what their products with four rows cost, and the few-row road widens each weight
  * again for every four rows. There each block of PACK_N output channels is widened once into a
- * thread's scratch, in the order widen64_i8 hands the weights to vdpbf16ps, and every group of
- * rows runs over it as bf16 weights (bf16dot_bf16): the same instructions on the same operands,
- * so each row's result is the few-row road's bit for bit, at any number of rows. */
-#define PACK_N 16 /* channels widened at once: their bf16 stays in L2 while every row passes */
+ * thread's scratch, as the few-row road hands the weights to vdpbf16ps (widen64_i8's order, or
+ * dequantized with their group scales), and every group of rows runs over it as bf16 weights
+ * (bf16dot_bf16's arithmetic): the same instructions on the same operands, so each row's result
+ * is the few-row road's bit for bit, at any number of rows. */
+#define PACK_N 32 /* channels widened at once: their bf16 stays in L2 while every row passes */
+
+/* bf16dot_group<R>_i8g's weights for `count` channels, dequantized once (group scales gs, one
+ * row of k / group per channel), as bf16 weights for the bf16 road. */
+__attribute__((target(AVX512BF16))) static void dequantize_channels(const int8_t *w, Py_ssize_t ldw, Py_ssize_t k,
+                                                                     const uint16_t *gs, Py_ssize_t group,
+                                                                     Py_ssize_t count, uint16_t *out) {
+    for (Py_ssize_t j = 0; j < count; j++)
+        for (Py_ssize_t i = 0; i < k; i += 64) {
+            __m512i a, b;
+            dequantize64(w + j * ldw + i, _mm512_set1_ps(bf16_to_float(gs[j * (k / group) + i / group])), &a, &b);
+            _mm512_storeu_si512(out + j * k + i, a);
+            _mm512_storeu_si512(out + j * k + i + 32, b);
+        }
+}
 
 __attribute__((target(AVX512BF16))) static void widen_channels_i8(const int8_t *w, Py_ssize_t ldw, Py_ssize_t k,
                                                                    Py_ssize_t count, uint16_t *out) {
@@ -327,47 +389,33 @@ __attribute__((target(AVX512BF16))) static void widen_channels_i8(const int8_t *
 }
 
 /* PACK_CH channels of the scratch for GROUP (four) rows of x: for each channel and row, exactly
- * bf16dot_group4_bf16's operations (accumulators, order, final sum), with each vector of weights
- * and of x loaded once for all of them, since here the loads, not the multiplies, would bound it. */
+ * bf16dot_group4_bf16's operations without scales (accumulators, order, final sum), with each
+ * vector of weights and of x loaded once for all of them, since here the loads would bound it. */
 #define PACK_CH 2
 
 __attribute__((target(AVX512BF16))) static void bf16dot_channels(const uint16_t *x, Py_ssize_t k,
-                                                                  const uint16_t *w, const uint16_t *const *gs,
-                                                                  Py_ssize_t group, float acc[PACK_CH][GROUP]) {
-    __m512 a[PACK_CH][GROUP], b[PACK_CH][GROUP], c[PACK_CH][GROUP];
+                                                                  const uint16_t *w, float acc[PACK_CH][GROUP]) {
+    __m512 a[PACK_CH][GROUP], b[PACK_CH][GROUP];
     for (int h = 0; h < PACK_CH; h++)
-        for (int m = 0; m < GROUP; m++) c[h][m] = _mm512_setzero_ps();
-    Py_ssize_t kb = k - k % 64;
-    if (!gs[0]) group = kb > 0 ? kb : 1;
-    for (Py_ssize_t g0 = 0; g0 < kb; g0 += group) {
-        for (int h = 0; h < PACK_CH; h++)
-            for (int m = 0; m < GROUP; m++) a[h][m] = b[h][m] = _mm512_setzero_ps();
-        for (Py_ssize_t i = g0; i < g0 + group; i += 64) {
-            __m512i w0[PACK_CH], w1[PACK_CH];
-            for (int h = 0; h < PACK_CH; h++) {
-                w0[h] = _mm512_loadu_si512(w + h * k + i);
-                w1[h] = _mm512_loadu_si512(w + h * k + i + 32);
-            }
-            for (int m = 0; m < GROUP; m++) {
-                __m512i x0 = _mm512_loadu_si512(x + m * k + i), x1 = _mm512_loadu_si512(x + m * k + i + 32);
-                for (int h = 0; h < PACK_CH; h++) {
-                    a[h][m] = _mm512_dpbf16_ps(a[h][m], (__m512bh)w0[h], (__m512bh)x0);
-                    b[h][m] = _mm512_dpbf16_ps(b[h][m], (__m512bh)w1[h], (__m512bh)x1);
-                }
-            }
-        }
+        for (int m = 0; m < GROUP; m++) a[h][m] = b[h][m] = _mm512_setzero_ps();
+    const Py_ssize_t kb = k - k % 64;
+    for (Py_ssize_t i = 0; i < kb; i += 64) {
+        __m512i w0[PACK_CH], w1[PACK_CH];
         for (int h = 0; h < PACK_CH; h++) {
-            if (gs[h]) {
-                __m512 sc = _mm512_set1_ps(bf16_to_float(gs[h][g0 / group]));
-                for (int m = 0; m < GROUP; m++) c[h][m] = _mm512_fmadd_ps(_mm512_add_ps(a[h][m], b[h][m]), sc, c[h][m]);
-            } else {
-                for (int m = 0; m < GROUP; m++) c[h][m] = _mm512_add_ps(a[h][m], b[h][m]);
+            w0[h] = _mm512_loadu_si512(w + h * k + i);
+            w1[h] = _mm512_loadu_si512(w + h * k + i + 32);
+        }
+        for (int m = 0; m < GROUP; m++) {
+            __m512i x0 = _mm512_loadu_si512(x + m * k + i), x1 = _mm512_loadu_si512(x + m * k + i + 32);
+            for (int h = 0; h < PACK_CH; h++) {
+                a[h][m] = _mm512_dpbf16_ps(a[h][m], (__m512bh)w0[h], (__m512bh)x0);
+                b[h][m] = _mm512_dpbf16_ps(b[h][m], (__m512bh)w1[h], (__m512bh)x1);
             }
         }
     }
     for (int h = 0; h < PACK_CH; h++)
         for (int m = 0; m < GROUP; m++) {
-            float s = _mm512_reduce_add_ps(c[h][m]);
+            float s = _mm512_reduce_add_ps(_mm512_add_ps(a[h][m], b[h][m]));
             for (Py_ssize_t j = kb; j < k; j++) s += load_bf16(w + h * k, j) * bf16_to_float(x[m * k + j]);
             acc[h][m] = s;
         }
@@ -418,7 +466,9 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                                               {avx512_i8, avx512_bf16},
                                               {bf16dot_i8, bf16dot_bf16}};
     if (isa == 3 && !x_bf16) isa = 2; /* vdpbf16ps would round a float32 x */
-    const channel_fn channel = CHANNELS[isa][w_kind];
+    /* int8 with group scales on AVX512-BF16: dequantized to bf16 first (bf16dot_i8g). */
+    const int dequant = isa == 3 && w_kind == 0 && group;
+    const channel_fn channel = dequant ? bf16dot_i8g : CHANNELS[isa][w_kind];
     const int widen_once = isa == 3 && w_kind == 0 && rows > GROUP;
     const size_t wsize = w_kind == 0 ? 1 : 2;
     const char *w = (const char *)(uintptr_t)w_addr;
@@ -427,7 +477,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     const uint16_t *xb = (const uint16_t *)(uintptr_t)x_addr;
     /* 64-byte aligned: a 512-bit load that straddles two cache lines costs two. */
     const size_t xsize = isa == 3 ? sizeof(uint16_t) : sizeof(float);
-    if (x_bf16 && !(isa == 3 && w_kind == 1)) {
+    if (x_bf16 && !(isa == 3 && (w_kind == 1 || dequant))) {
         copy = aligned_alloc(64, (xsize * (size_t)rows * (size_t)k + 63) & ~(size_t)63);
         if (!copy) return PyErr_NoMemory();
         x = copy;
@@ -459,25 +509,30 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
             const Py_ssize_t span = scratch ? PACK_N : BLOCK_N;
             for (Py_ssize_t j0 = b * BLOCK_N; j0 < end; j0 += span) {
                 Py_ssize_t j1 = j0 + span < end ? j0 + span : end;
-                if (scratch) widen_channels_i8((const int8_t *)w + j0 * ldw, ldw, k, j1 - j0, scratch);
+                if (scratch && dequant)
+                    dequantize_channels((const int8_t *)w + j0 * ldw, ldw, k,
+                                        (const uint16_t *)(uintptr_t)scale_addr + j0 * (k / group), group, j1 - j0,
+                                        scratch);
+                else if (scratch)
+                    widen_channels_i8((const int8_t *)w + j0 * ldw, ldw, k, j1 - j0, scratch);
                 for (int r = 0; r < rows; r += GROUP) {
                     int g = rows - r < GROUP ? rows - r : GROUP;
                     const char *xr = (const char *)x + (size_t)r * (size_t)k * xsize;
                     for (Py_ssize_t j = j0; j < j1;) {
-                        const uint16_t *gs[PACK_CH];
-                        for (int h = 0; h < PACK_CH; h++)
-                            gs[h] = group ? (const uint16_t *)(uintptr_t)scale_addr + (j + h) * (k / group) : NULL;
+                        /* The scratch holds bf16 weights, any group scales applied: no scales there. */
                         if (scratch && g == GROUP && j + PACK_CH <= j1) {
                             float many[PACK_CH][GROUP];
-                            bf16dot_channels((const uint16_t *)xr, k, scratch + (j - j0) * k, gs, group, many);
+                            bf16dot_channels((const uint16_t *)xr, k, scratch + (j - j0) * k, many);
                             for (int h = 0; h < PACK_CH; h++, j++)
                                 store_channel(many[h], g, r, j, n, scale_addr, scale_bf16, group, y_addr, y_bf16);
                             continue;
                         }
                         if (scratch)
-                            bf16dot_bf16(xr, g, k, scratch + (j - j0) * k, gs[0], group, acc);
+                            bf16dot_bf16(xr, g, k, scratch + (j - j0) * k, NULL, 0, acc);
                         else
-                            channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize, gs[0], group, acc);
+                            channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize,
+                                    group ? (const uint16_t *)(uintptr_t)scale_addr + j * (k / group) : NULL, group,
+                                    acc);
                         store_channel(acc, g, r, j, n, scale_addr, scale_bf16, group, y_addr, y_bf16);
                         j++;
                     }

@@ -10,7 +10,9 @@ and widens every weight to float32; bf16 products are emulated without AVX512-BF
 exact in float32; only the summation order differs from torch's, and a row's result does not depend
 on its batch neighbours, the row count or the thread count. With AVX512-BF16 it also serves a
 prompt's many rows of int8 weights near a GEMM's speed (each block of weights widened to bf16 once
-for all rows), so such a layer can sum every row the same way from decode to prefill.
+for all rows), so such a layer can sum every row the same way from decode to prefill; there int8
+weights with group scales are rounded to bf16 with their scales first (:func:`dequantizes_groups`),
+so that no scale is left to multiply per group.
 
 Eager calls take :func:`gemv`; a compiled graph calls :func:`gemv_op`, the same kernel as an
 opaque op (any row count), so its weights stay graph inputs. A layer decides when it is built
@@ -234,6 +236,14 @@ def dequantize_reference(qweight: torch.Tensor, scales: torch.Tensor, dtype: tor
     return (qweight.view(n, scales.shape[1], -1).to(dtype) * scales.to(dtype)[..., None]).view(n, k)
 
 
+def dequantizes_groups(isa: int, x_dtype: torch.dtype) -> bool:
+    """Whether the kernel, in instruction set ``isa``, first rounds int8 weights with group scales
+    to bf16 as :func:`dequantize` does (AVX512-BF16 with bf16 activations: then a long prefill
+    multiplies the weights dequantized once, in the same order as a decode row), rather than
+    scaling each group's exact dot product (the other paths)."""
+    return isa == _ISA_CAPS["auto"] and x_dtype is torch.bfloat16
+
+
 def _self_check(ext: Any) -> str | None:
     """None when the kernel matches a float64 product on odd shapes, in every instruction set this
     CPU runs, per-row and group scales, else what differed."""
@@ -289,12 +299,14 @@ def _mismatch(
     ext.gemv(x.data_ptr(), x.dtype is torch.bfloat16, rows, k, w.data_ptr(), _WEIGHT_KINDS[w.dtype], k, n,
              scale_ptr, scale_bf16, y.data_ptr(), False, 1, isa, group)  # fmt: skip
     wd = w.double()
-    if scale is not None:
+    if group and dequantizes_groups(isa, x.dtype):
+        wd = dequantize_reference(w, scale, torch.bfloat16).double()  # the bf16 weights it multiplies
+    elif scale is not None:
         wd = wd * (scale.double().repeat_interleave(group, dim=1) if group else scale.double()[:, None])
     ref = x.double() @ wd.T
     # float32: k rounded products, k - 1 additions, the scale's product (with groups: each group's
-    # product and addition), each within 2^-24.
-    terms = k + 2 + (2 * (k // group) if group else 0)
+    # product and addition, unless dequantized first), each within 2^-24.
+    terms = k + 2 + (2 * (k // group) if group and not dequantizes_groups(isa, x.dtype) else 0)
     bound = terms * 2.0**-24 * (x.double().abs() @ wd.abs().T) + 1e-30
     if bool(((y.double() - ref).abs() <= bound).all()):
         return None

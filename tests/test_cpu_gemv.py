@@ -107,7 +107,9 @@ def test_every_simd_of_this_cpu_equals_float64_and_keeps_each_row_alone(isa: int
 def test_group_scales_equal_float64_in_each_simd(isa: int) -> None:
     """bf16 scales per group of input weights ([N, K // group]): each group's dot product times
     its own scale, within float32 accumulation of float64 (two more roundings per group), every
-    row the same alone as in a batch; groups that are not whole 64-weight blocks are refused."""
+    row the same alone as in a batch; groups that are not whole 64-weight blocks are refused.
+    AVX512-BF16 with bf16 x dequantizes the weights to bf16 first: float64 of those weights, and
+    bit for bit the kernel's product with them as bf16 weights."""
     if isa > ISAS.index(widest_simd_by_cpuinfo()):
         return
     ext = cpu_gemv._extension()[0]
@@ -127,8 +129,14 @@ def test_group_scales_equal_float64_in_each_simd(isa: int) -> None:
 
             alone = torch.cat([run(x[i : i + 1], 1) for i in range(8)])
             xd = x.double()
-            ref = xd @ (q.double() * sd).T
-            bound = (k + 2 * (k // group) + 2) * 2.0**-24 * (xd.abs() @ (q.double().abs() * sd).T) + 1e-30
+            if cpu_gemv.dequantizes_groups(isa, x_dtype):
+                dequantized = cpu_gemv.dequantize_reference(q, s, torch.bfloat16)
+                wd, terms = dequantized.double(), k + 2
+                assert torch.equal(alone, _ext_gemv(isa, x, dequantized, None, 1))
+            else:
+                wd, terms = q.double() * sd, k + 2 * (k // group) + 2
+            ref = xd @ wd.T
+            bound = terms * 2.0**-24 * (xd.abs() @ wd.abs().T) + 1e-30
             assert bool(((alone.double() - ref).abs() <= bound).all()), (ISAS[isa], k, group, x_dtype)
             for rows, threads in ((3, 2), (8, 3)):
                 assert torch.equal(run(x[:rows], threads), alone[:rows]), (ISAS[isa], k, rows)
@@ -305,8 +313,10 @@ def test_a_long_prefill_sums_each_row_as_a_decode_row_alone(isa: int) -> None:
             return y
 
         alone = torch.cat([one(i) for i in range(100)])
-        xd, wd = x.double(), q.double() * sd
-        bound = (k + 2 * (k // group if group else 1) + 2) * 2.0**-24 * (xd.abs() @ wd.abs().T) + 1e-30
+        xd, wd, terms = x.double(), q.double() * sd, k + 2 * (k // group if group else 1) + 2
+        if group and cpu_gemv.dequantizes_groups(isa, x.dtype):  # the weights rounded to bf16 first
+            wd, terms = cpu_gemv.dequantize_reference(q, s, torch.bfloat16).double(), k + 2
+        bound = terms * 2.0**-24 * (xd.abs() @ wd.abs().T) + 1e-30
         assert bool(((alone.double() - xd @ wd.T).abs() <= bound).all()), (ISAS[isa], k, group)
         for rows, threads in ((5, 1), (13, 2), (33, 3), (100, 2)):
             assert torch.equal(run(rows, threads), alone[:rows]), (ISAS[isa], k, group, rows, threads)

@@ -39,14 +39,15 @@ Activations are never quantized.
   instead of one per row. ``o_proj`` and ``down_proj`` get no fp32 columns, so their rounding
   error is the whole int8 error of ``w8-channel``; a group's maximum sits closer to its typical
   weight than a whole row's, which shrinks the rounding step. Products go through the package's
-  kernel, which multiplies each group's dot product by its scale in registers, so a row's result
-  never depends on its neighbours. Where the kernel multiplies bf16 natively (AVX512-BF16) it
-  serves every row count, a whole prompt's prefill too: each row is then summed the same way
-  whether it is decoded alone, batched with others or prefilled beside another prompt, as vLLM's
-  bf16 GEMM does for the float talker. Elsewhere it serves up to :data:`GROUPED_KERNEL_MAX_ROWS`
-  rows, and a longer prefill dequantizes the weights to bf16 (one more rounding per weight) for
-  torch's bf16 GEMM, in one pass of the package's kernel (``cpu_gemv.dequantize``; where the kernel
-  is off, torch's multiply, the same bits), as does any call where it is off.
+  kernel. Where it multiplies bf16 natively (AVX512-BF16) it rounds each weight times its group's
+  scale to bf16 (``cpu_gemv.dequantize``'s bits) and multiplies those as bf16 weights: on the fly
+  for decode rows, once per block of weights for every row of a prompt's prefill, in one
+  summation order, so a row's result does not depend on whether it is decoded alone, batched with
+  others or prefilled beside another prompt (as vLLM's bf16 GEMM does for the float talker).
+  Elsewhere each group's exact dot product is multiplied by its scale in registers, up to
+  :data:`GROUPED_KERNEL_MAX_ROWS` rows, and a longer prefill dequantizes the weights to bf16 for
+  torch's bf16 GEMM (``cpu_gemv.dequantize``; where the kernel is off, torch's multiply, the same
+  bits), as does any call where the kernel is off.
 
 With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
 and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
