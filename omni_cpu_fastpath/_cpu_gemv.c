@@ -16,7 +16,8 @@
  * and AVX512-BF16 paths, which one CPU always takes the same way). Where the CPU has AVX512-BF16,
  * bf16 activations skip the widening: see the AVX512-BF16 path below.
  *
- *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa[, group])
+ *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa
+ *        [, group[, side_x, side_w, side_c]])
  *
  * Pointers arrive as integers from cpu_gemv.py, which checks dtypes, shapes and contiguity. x is
  * [rows, k] (bf16 or float32); w is [n, k] with row stride ldw, int8 (w_kind 0) or bf16 (1);
@@ -24,9 +25,13 @@
  * one scale per `group` consecutive weights of a row (k and group multiples of 64): each group's
  * dot product stays in vector registers and is multiplied by its scale there (on the AVX512-BF16
  * path the weights are instead rounded to bf16 with their scales first, as dequantize() rounds
- * them: see bf16dot_i8g); y is [rows, n] (bf16, rounded to nearest even,
- * or float32); isa is the widest instruction set to use: 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512
- * and, for bf16 x, AVX512-BF16 (simd() says which this CPU has). Blocks of output channels go
+ * them: see bf16dot_i8g); side_x and side_w [n, side_c], both float32, are the few input columns
+ * a layer keeps in float (its outlier channels) and their weights, side_x transposed to
+ * [side_c, rows rounded up to a multiple of 4] (zeros beyond rows): their products are added in
+ * float32 to each sum, after its scale and before it is rounded, in one order for every row;
+ * y is [rows, n] (bf16, rounded to nearest even, or float32); isa is the widest instruction set
+ * to use: 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512 and, for bf16 x, AVX512-BF16 (simd() says which
+ * this CPU has). Blocks of output channels go
  * to `threads` OpenMP threads (torch's own runtime once torch is loaded) in guided chunks: long
  * runs of consecutive weight rows, which the hardware prefetcher streams (runs of one small block
  * each, handed out one at a time, left half the bandwidth unused), shrinking towards the end so
@@ -421,31 +426,50 @@ __attribute__((target(AVX512BF16))) static void bf16dot_channels(const uint16_t 
         }
 }
 
-/* Channel j's results for rows r..r+g-1 of y: acc times the per-row scale, if any, rounded or not. */
-static inline void store_channel(const float *acc, int g, int r, Py_ssize_t j, Py_ssize_t n,
-                                 unsigned long long scale_addr, int scale_bf16, Py_ssize_t group,
-                                 unsigned long long y_addr, int y_bf16) {
-    const int scaled = scale_addr && !group;
+/* Where a channel's float32 sums go: times the per-row scale (not group scales, applied before),
+ * plus the float columns' share, then into y, rounded or not. */
+typedef struct {
+    const void *scale; /* [n] per-row scales, or NULL */
+    int scale_bf16;
+    const float *side_x; /* [side_c, side_ld]: the float columns of x, transposed, rows padded with zeros */
+    const float *side_w; /* [n, side_c]: their float32 weights */
+    Py_ssize_t side_c;   /* 0: none */
+    Py_ssize_t side_ld;  /* rows rounded up to a multiple of GROUP */
+    void *y;
+    int y_bf16;
+    Py_ssize_t n;
+} output_t;
+
+/* Channel j's results for rows r..r+g-1 of y. The float columns' share of a group's rows is summed
+ * column by column across the rows at once (vectorizable), each row's in the same order. */
+static inline void store_channel(const output_t *o, const float *acc, int g, int r, Py_ssize_t j) {
     float s = 1.0f;
-    if (scaled)
-        s = scale_bf16 ? bf16_to_float(((const uint16_t *)(uintptr_t)scale_addr)[j])
-                       : ((const float *)(uintptr_t)scale_addr)[j];
+    if (o->scale) s = o->scale_bf16 ? bf16_to_float(((const uint16_t *)o->scale)[j]) : ((const float *)o->scale)[j];
+    float side[GROUP] = {0.0f};
+    for (Py_ssize_t i = 0; i < o->side_c; i++) {
+        const float *xs = o->side_x + i * o->side_ld + r;
+        const float w = o->side_w[j * o->side_c + i];
+        for (int m = 0; m < GROUP; m++) side[m] += xs[m] * w;
+    }
     for (int m = 0; m < g; m++) {
-        float v = scaled ? acc[m] * s : acc[m];
-        Py_ssize_t at = (Py_ssize_t)(r + m) * n + j;
-        if (y_bf16)
-            ((uint16_t *)(uintptr_t)y_addr)[at] = float_to_bf16(v);
+        float v = o->scale ? acc[m] * s : acc[m];
+        if (o->side_c) v += side[m]; /* not for none: -0 + 0 would turn a -0 into +0 */
+        Py_ssize_t at = (Py_ssize_t)(r + m) * o->n + j;
+        if (o->y_bf16)
+            ((uint16_t *)o->y)[at] = float_to_bf16(v);
         else
-            ((float *)(uintptr_t)y_addr)[at] = v;
+            ((float *)o->y)[at] = v;
     }
 }
 
 static PyObject *gemv(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, scale_addr, y_addr;
     int x_bf16, rows, w_kind, scale_bf16, y_bf16, threads, isa;
-    Py_ssize_t k, ldw, n, group = 0;
-    if (!PyArg_ParseTuple(args, "KpinKinnKpKpii|n", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
-                          &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads, &isa, &group))
+    unsigned long long side_x_addr = 0, side_w_addr = 0;
+    Py_ssize_t k, ldw, n, group = 0, side_c = 0;
+    if (!PyArg_ParseTuple(args, "KpinKinnKpKpii|nKKn", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
+                          &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads, &isa, &group, &side_x_addr,
+                          &side_w_addr, &side_c))
         return NULL;
     if (rows < 1 || k < 1 || n < 1 || ldw < k || threads < 1 || w_kind < 0 || w_kind > 1 || isa < 0 ||
         isa > cpu_isa) {
@@ -461,6 +485,19 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                         "with bf16 group scales");
         return NULL;
     }
+    if (side_c < 0 || (side_c > 0 && (!side_x_addr || !side_w_addr))) {
+        PyErr_SetString(PyExc_ValueError, "gemv: side_c must be 0, or positive with float32 side_x and side_w");
+        return NULL;
+    }
+    const output_t out = {group ? NULL : (const void *)(uintptr_t)scale_addr,
+                          scale_bf16,
+                          (const float *)(uintptr_t)side_x_addr,
+                          (const float *)(uintptr_t)side_w_addr,
+                          side_c,
+                          (rows + GROUP - 1) / GROUP * GROUP,
+                          (void *)(uintptr_t)y_addr,
+                          y_bf16,
+                          n};
     static const channel_fn CHANNELS[4][2] = {{scalar_i8, scalar_bf16},
                                               {avx2_i8, avx2_bf16},
                                               {avx512_i8, avx512_bf16},
@@ -524,7 +561,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                             float many[PACK_CH][GROUP];
                             bf16dot_channels((const uint16_t *)xr, k, scratch + (j - j0) * k, many);
                             for (int h = 0; h < PACK_CH; h++, j++)
-                                store_channel(many[h], g, r, j, n, scale_addr, scale_bf16, group, y_addr, y_bf16);
+                                store_channel(&out, many[h], g, r, j);
                             continue;
                         }
                         if (scratch)
@@ -533,7 +570,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                             channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize,
                                     group ? (const uint16_t *)(uintptr_t)scale_addr + j * (k / group) : NULL, group,
                                     acc);
-                        store_channel(acc, g, r, j, n, scale_addr, scale_bf16, group, y_addr, y_bf16);
+                        store_channel(&out, acc, g, r, j);
                         j++;
                     }
                 }

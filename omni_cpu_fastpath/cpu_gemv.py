@@ -12,7 +12,9 @@ on its batch neighbours, the row count or the thread count. With AVX512-BF16 it 
 prompt's many rows of int8 weights near a GEMM's speed (each block of weights widened to bf16 once
 for all rows), so such a layer can sum every row the same way from decode to prefill; there int8
 weights with group scales are rounded to bf16 with their scales first (:func:`dequantizes_groups`),
-so that no scale is left to multiply per group.
+so that no scale is left to multiply per group. A layer's few float input columns (its outlier
+channels, float32 weights) can ride along: their share is added in float32 before each result is
+rounded.
 
 Eager calls take :func:`gemv`; a compiled graph calls :func:`gemv_op`, the same kernel as an
 opaque op (any row count), so its weights stay graph inputs. A layer decides when it is built
@@ -40,6 +42,7 @@ from omni_cpu_fastpath import envs
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
 MAX_ROWS = 8
+_ROW_GROUP = 4  # the kernel's GROUP: rows of x summed together
 _ACTIVATIONS = (torch.bfloat16, torch.float32)
 _WEIGHT_KINDS = {torch.int8: 0, torch.bfloat16: 1}
 _OFF = "torch's kernels (VLLM_OMNI_CPU_GEMV=0)"
@@ -155,9 +158,13 @@ def gemv(
     weight: torch.Tensor,
     scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    float_cols: torch.Tensor | None = None,
+    float_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(x2 @ weight.T) * scales`` as ``[rows, N]`` in ``out_dtype`` (default: ``x2``'s dtype); with
-    group scales ``[N, G]``, each row's ``G`` groups of weights are scaled apart.
+    group scales ``[N, G]``, each row's ``G`` groups of weights are scaled apart. With
+    ``float_cols [c]`` and ``float_weight [N, c]`` (a layer's outlier input columns, kept in float),
+    ``x2[:, float_cols] @ float_weight.T`` is added in float32 before the result is rounded.
 
     For layers built with :func:`wanted` true, on operands :func:`accepts` takes (with ``traced``,
     any number of rows: each row's result is the same whatever the others).
@@ -167,6 +174,15 @@ def gemv(
     rows, k = x2.shape
     n = weight.shape[0]
     out_dtype = out_dtype or x2.dtype
+    side = ()
+    if float_cols is not None:
+        if float_weight is None or float_weight.shape != (n, float_cols.numel()):
+            raise ValueError(
+                f"gemv: float_weight must be [N, c] = [{n}, {float_cols.numel()}] beside float_cols, got "
+                f"{None if float_weight is None else tuple(float_weight.shape)}"
+            )
+        side_x, side_w = _side_operands(x2, float_cols, float_weight)
+        side = (side_x.data_ptr(), side_w.data_ptr(), float_cols.numel())
     y = torch.empty(rows, n, dtype=out_dtype)
     ext.gemv(
         x2.data_ptr(),
@@ -184,8 +200,20 @@ def gemv(
         torch.get_num_threads(),
         _isa(),
         group_size(weight, scales),
+        *side,
     )
     return y
+
+
+def _side_operands(
+    x2: torch.Tensor, float_cols: torch.Tensor, float_weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's float columns: ``x2[:, float_cols]`` in float32, transposed to ``[c, rows]``
+    with rows padded with zeros to a multiple of 4 (its row groups), and the float32 weights."""
+    rows = x2.shape[0]
+    side_x = x2.new_zeros(float_cols.numel(), -(-rows // _ROW_GROUP) * _ROW_GROUP, dtype=torch.float32)
+    side_x[:, :rows] = x2.index_select(1, float_cols).t()
+    return side_x, float_weight.to(torch.float32).contiguous()
 
 
 @torch.library.custom_op("omni_cpu_fastpath::gemv", mutates_args=())
@@ -263,8 +291,11 @@ def _self_check(ext: Any) -> str | None:
         q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
         s = (torch.rand(n, k // group, generator=g, dtype=f32) / 100 + 1e-3).to(torch.bfloat16)
         x32 = torch.randn(rows, k, generator=g, dtype=f32)
-        for x, isa in itertools.product((x32, x32.bfloat16()), isas):
-            if error := _mismatch(ext, x, q, s, group, isa):
+        # A layer's outlier input columns, kept in float32 beside the int8 weights.
+        cols = torch.randperm(k, generator=g)[:3]
+        side = (cols, torch.randn(n, 3, generator=g, dtype=f32))
+        for x, isa, columns in itertools.product((x32, x32.bfloat16()), isas, (None, side)):
+            if error := _mismatch(ext, x, q, s, group, isa, columns):
                 return error
         q[0, :3] = torch.tensor([-128, 0, 127], dtype=torch.int8)
         for dtype, isa in itertools.product(_ACTIVATIONS, isas):
@@ -288,28 +319,47 @@ def _dequantize_mismatch(
 
 
 def _mismatch(
-    ext: Any, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, group: int, isa: int
+    ext: Any,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scale: torch.Tensor | None,
+    group: int,
+    isa: int,
+    side: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> str | None:
     """The kernel's ``x @ w.T`` (per-row ``scale [N]``, or with ``group`` bf16 scales
-    ``[N, K // group]``) against float64: None within float32 accumulation, else what differed."""
+    ``[N, K // group]``; with ``side = (cols, float_weight)``, plus ``x[:, cols] @ float_weight.T``)
+    against float64: None within float32 accumulation, else what differed."""
     rows, k = x.shape
     n = w.shape[0]
     y = torch.empty(rows, n, dtype=torch.float32)
     scale_ptr, scale_bf16 = (0, False) if scale is None else (scale.data_ptr(), scale.dtype is torch.bfloat16)
+    side_args, xs, ws = (), x[:, :0].float(), w.new_zeros(n, 0, dtype=torch.float32)
+    if side is not None:
+        xs = x.index_select(1, side[0]).float()
+        side_x, ws = _side_operands(x, *side)
+        side_args = (side_x.data_ptr(), ws.data_ptr(), xs.shape[1])
     ext.gemv(x.data_ptr(), x.dtype is torch.bfloat16, rows, k, w.data_ptr(), _WEIGHT_KINDS[w.dtype], k, n,
-             scale_ptr, scale_bf16, y.data_ptr(), False, 1, isa, group)  # fmt: skip
+             scale_ptr, scale_bf16, y.data_ptr(), False, 1, isa, group, *side_args)  # fmt: skip
     wd = w.double()
     if group and dequantizes_groups(isa, x.dtype):
         wd = dequantize_reference(w, scale, torch.bfloat16).double()  # the bf16 weights it multiplies
     elif scale is not None:
         wd = wd * (scale.double().repeat_interleave(group, dim=1) if group else scale.double()[:, None])
-    ref = x.double() @ wd.T
+    ref = x.double() @ wd.T + xs.double() @ ws.double().T
     # float32: k rounded products, k - 1 additions, the scale's product (with groups: each group's
-    # product and addition, unless dequantized first), each within 2^-24.
+    # product and addition, unless dequantized first), the float columns' products and additions,
+    # each within 2^-24.
     terms = k + 2 + (2 * (k // group) if group and not dequantizes_groups(isa, x.dtype) else 0)
-    bound = terms * 2.0**-24 * (x.double().abs() @ wd.abs().T) + 1e-30
+    terms += 2 * xs.shape[1]
+    magnitude = x.double().abs() @ wd.abs().T + xs.double().abs() @ ws.double().abs().T
+    bound = terms * 2.0**-24 * magnitude + 1e-30
     if bool(((y.double() - ref).abs() <= bound).all()):
         return None
     err = (y.double() - ref).abs().max().item()
     groups = f" in groups of {group}" if group else ""
-    return f"{w.dtype}{groups} x {x.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}: max error {err:.3g}"
+    columns = f" with {xs.shape[1]} float columns" if side is not None else ""
+    return (
+        f"{w.dtype}{groups}{columns} x {x.dtype} rows={rows} k={k} n={n} {_ISA_NAMES[isa]}: "
+        f"max error {err:.3g}"
+    )

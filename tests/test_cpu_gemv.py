@@ -463,18 +463,63 @@ def test_the_load_check_and_the_product_hold_under_a_bf16_default_dtype() -> Non
 
 
 def test_talker_int8_linear_takes_the_kernel_for_decode_rows() -> None:
+    """Decode rows go through the kernel, which adds the outlier columns' float32 share before it
+    rounds once (float64 bound); a longer call stays ATen's product plus a separate float32 one."""
     from omni_cpu_fastpath.qwen3_tts.quant.modules import float_columns_product, quantize_with_float_columns
     from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import int8_linear
 
     g = torch.Generator().manual_seed(9)
     weight = torch.randn(80, 192, generator=g) * 0.05
+    weight[:, [5, 77]] *= 30  # the float columns carry a large share, as outlier channels do
     q, s, cols, fw = quantize_with_float_columns(weight, torch.tensor([5, 77]))
     s = s.to(torch.bfloat16)
     for rows in (1, 4, 8, 12):
         x = torch.randn(rows, 192, generator=g).to(torch.bfloat16)
         got = int8_linear(x, q, s, float_cols=cols, float_weight=fw, gemv=True)
-        product = cpu_gemv.gemv(x, q, s) if rows <= 8 else torch.ops.aten._weight_int8pack_mm(x, q, s)
-        assert torch.equal(got, product + float_columns_product(x, cols, fw).to(torch.bfloat16)), rows
+        separate = cpu_gemv.gemv(x, q, s) if rows <= 8 else torch.ops.aten._weight_int8pack_mm(x, q, s)
+        separate = separate + float_columns_product(x, cols, fw).to(torch.bfloat16)
+        if rows > 8:
+            assert torch.equal(got, separate), rows
+            continue
+        ref, bound = _reference_and_bound(x, q, s.float(), torch.float32)
+        side = x.double()[:, cols] @ fw.double().T
+        ref = ref + side
+        bound = bound + 4 * 2.0**-24 * (x.double()[:, cols].abs() @ fw.double().abs().T) + ref.abs() * 2.0**-8
+        assert bool(((got.double() - ref).abs() <= bound).all()), rows
+        # One rounding, not three: never further from float64 than the separate sum, often closer.
+        assert (got.double() - ref).abs().sum() < (separate.double() - ref).abs().sum(), rows
+
+
+@pytest.mark.parametrize("group", [0, 64])
+def test_float_columns_are_added_in_float32_for_each_row_alone(group: int) -> None:
+    """The kernel's float columns (a layer's outlier input channels, float32 weights), in every
+    instruction set this CPU runs: within float32 accumulation of a float64 product, and each row's
+    result the same alone or among 13 rows."""
+    ext = cpu_gemv._extension()[0]
+    g = torch.Generator().manual_seed(12)
+    n, k = 70, 256
+    q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    s = (torch.rand(n, k // group, generator=g) / 100 + 1e-3) if group else torch.rand(n, generator=g) / 100
+    s = s.to(torch.bfloat16)
+    cols = torch.tensor([3, 130, 255])
+    fw = torch.randn(n, 3, generator=g)
+    x = torch.randn(13, k, generator=g).to(torch.bfloat16)
+
+    def kernel(x: torch.Tensor, isa: int) -> torch.Tensor:
+        side_x, side_w = cpu_gemv._side_operands(x, cols, fw)
+        y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+        ext.gemv(x.data_ptr(), True, x.shape[0], k, q.data_ptr(), 0, k, n, s.data_ptr(), True, y.data_ptr(),
+                 True, 2, isa, group, side_x.data_ptr(), side_w.data_ptr(), 3)  # fmt: skip
+        return y
+
+    for isa in range(ext.simd()[0] + 1):
+        assert cpu_gemv._mismatch(ext, x, q, s, group, isa, (cols, fw)) is None, ISAS[isa]
+        many = kernel(x, isa)
+        for r in range(13):
+            assert torch.equal(kernel(x[r : r + 1], isa), many[r : r + 1]), (ISAS[isa], r)
+    assert torch.equal(cpu_gemv.gemv(x, q, s, float_cols=cols, float_weight=fw), kernel(x, cpu_gemv._isa()))
+    with pytest.raises(ValueError, match=r"float_weight must be \[N, c\] = \[70, 3\]"):
+        cpu_gemv.gemv(x, q, s, float_cols=cols, float_weight=fw[:, :2])
 
 
 def test_bf16_weights_match_vllms_cpu_linear_within_rounding() -> None:

@@ -23,7 +23,9 @@ Activations are never quantized.
 - ``w8-plain``: only that.
 - ``w8-channel``: as the predictor's ``w8-channel``, the input columns of outlier channels stay
   fp32 in a small side product (``[M, c] x [c, N]``), since the rounding of the weights that
-  multiply a channel 30x above the rest dominates a linear's output error. Those channels are the
+  multiply a channel 30x above the rest dominates a linear's output error. Where the package's
+  kernel serves the product, it adds that share in float32 to each sum before rounding it (torch's
+  float32 product with so few inputs ran far below its speed on a prompt's rows). Those channels are the
   ones the RMSNorm gain feeding a linear inflates, and the linear's weights need carry no trace of
   it (the gain scales the linear's *input*; in the ``outliers=True`` test checkpoints, which
   imitate the released gains, those weight columns are as ordinary as the rest). A vLLM linear
@@ -234,13 +236,21 @@ def int8_linear(
 ) -> torch.Tensor:
     """``x @ (qweight * scales[:, None]).T (+ x[:, float_cols] @ float_weight.T) (+ bias)`` with bf16
     activations into the int8 product, out in ``x.dtype`` (``gemv``: the package's kernel for 1-8
-    rows, eager). Group scales ``[N, G]`` scale each row's ``G`` groups of weights apart."""
+    rows, eager). Group scales ``[N, G]`` scale each row's ``G`` groups of weights apart. Where the
+    kernel serves, it adds the float columns' share in float32 before rounding; elsewhere that share
+    is a separate float32 product, added after both are rounded."""
     n, k = qweight.shape
     x2 = x.reshape(-1, k).to(torch.bfloat16)
-    if scales.dim() == 2:
-        y = _grouped_product(x2, qweight, scales, gemv)
+    if scales.dim() == 2 and gemv and cpu_gemv.accepts(x2[:1], qweight, scales, traced=True):
+        y = grouped_kernel_op if torch.compiler.is_compiling() else _grouped_kernel
+        y = y(x2, qweight, scales, float_cols, float_weight)
+        float_cols = None  # added by the kernel
+    elif scales.dim() == 2:
+        # torch has no int8 kernel with group scales: its dequantization and a bf16 GEMM.
+        y = F.linear(x2, cpu_gemv.dequantize_reference(qweight, scales, torch.bfloat16))
     elif gemv and cpu_gemv.accepts(x2, qweight, scales):
-        y = cpu_gemv.gemv(x2, qweight, scales)
+        y = cpu_gemv.gemv(x2, qweight, scales, float_cols=float_cols, float_weight=float_weight)
+        float_cols = None
     elif kernel:
         y = torch.ops.aten._weight_int8pack_mm(x2, qweight, scales)
     else:
@@ -254,37 +264,46 @@ def int8_linear(
     return y.reshape(*x.shape[:-1], n)
 
 
-def _grouped_product(
-    x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, gemv: bool
+def _grouped_kernel(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    float_cols: torch.Tensor | None = None,
+    float_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    # torch has no int8 kernel with group scales: the package's kernel where it serves, else
-    # torch's dequantization and a bf16 GEMM. A compiled graph calls the kernel's road as one
-    # opaque op, which picks by the row count inside, so one graph serves every batch size with
-    # the eager arithmetic.
-    if gemv and cpu_gemv.accepts(x2[:1], qweight, scales, traced=True):
-        if torch.compiler.is_compiling():
-            return grouped_kernel_op(x2, qweight, scales)
-        return _grouped_kernel(x2, qweight, scales)
-    return F.linear(x2, cpu_gemv.dequantize_reference(qweight, scales, torch.bfloat16))
-
-
-def _grouped_kernel(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     # With vdpbf16ps the kernel serves a prompt's prefill near a GEMM's speed in the same summation
     # order as a decode row. Without it, its fp32 widening makes a long prefill cost several passes
-    # over the weights, and one dequantization and a bf16 GEMM cost less (in another order).
+    # over the weights, and one dequantization and a bf16 GEMM cost less (in another order). A
+    # compiled graph calls this as one opaque op (grouped_kernel_op), which picks by the row count
+    # inside, so one graph serves every batch size with the eager arithmetic.
     if x2.shape[0] <= GROUPED_KERNEL_MAX_ROWS or cpu_gemv.multiplies_bf16_natively():
-        return cpu_gemv.gemv(x2, qweight, scales)
-    return F.linear(x2.contiguous(), cpu_gemv.dequantize(qweight, scales))
+        return cpu_gemv.gemv(x2, qweight, scales, float_cols=float_cols, float_weight=float_weight)
+    y = F.linear(x2.contiguous(), cpu_gemv.dequantize(qweight, scales))
+    if float_cols is not None:
+        y = y + float_columns_product(x2, float_cols, float_weight).to(y.dtype)
+    return y
 
 
 @torch.library.custom_op("omni_cpu_fastpath::grouped_int8_linear", mutates_args=())
-def grouped_kernel_op(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def grouped_kernel_op(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    float_cols: torch.Tensor | None = None,
+    float_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``w8-group``'s product with the package's kernel, as an op a compiled graph calls opaquely."""
-    return _grouped_kernel(x2, qweight, scales)
+    return _grouped_kernel(x2, qweight, scales, float_cols, float_weight)
 
 
 @grouped_kernel_op.register_fake
-def _(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    float_cols: torch.Tensor | None = None,
+    float_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
     return x2.new_empty((x2.shape[0], qweight.shape[0]))
 
 
