@@ -31,11 +31,11 @@
  * float32 to each sum, after its scale and before it is rounded, in one order for every row;
  * y is [rows, n] (bf16, rounded to nearest even, or float32); isa is the widest instruction set
  * to use: 0 none, 1 AVX2, 2 AVX-512, 3 AVX-512 and, for bf16 x, AVX512-BF16 (simd() says which
- * this CPU has). Blocks of output channels go
- * to `threads` OpenMP threads (torch's own runtime once torch is loaded) in guided chunks: long
- * runs of consecutive weight rows, which the hardware prefetcher streams (runs of one small block
- * each, handed out one at a time, left half the bandwidth unused), shrinking towards the end so
- * that a thread that lost its core for a while holds up the others by a small chunk only.
+ * this CPU has). Blocks of output channels go to `threads` OpenMP threads (torch's own runtime
+ * once torch is loaded) in guided chunks: long runs of consecutive weight rows, which the
+ * hardware prefetcher streams (runs of one small block each, handed out one at a time, left half
+ * the bandwidth unused), shrinking towards the end so that a thread that lost its core for a
+ * while holds up the others by a small chunk only.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

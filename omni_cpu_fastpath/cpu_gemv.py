@@ -51,13 +51,18 @@ _ISA_CAPS = {"auto": 3, "avx512": 2, "avx2": 1, "scalar": 0}
 _ISA_NAMES = ("scalar", "avx2", "avx512", "avx512bf16")
 
 
-@functools.cache
-def _isa() -> int:
-    """The instruction set the kernel takes: this CPU's widest, capped by VLLM_OMNI_CPU_GEMV_ISA
-    (read once per process, when the kernel is first loaded)."""
+def _capped_isa(environ: Mapping[str, str] | None = None) -> int:
+    """This CPU's widest instruction set, capped by ``VLLM_OMNI_CPU_GEMV_ISA`` in ``environ``
+    (default: this process's environment)."""
     from omni_cpu_fastpath import _cpu_gemv  # type: ignore[attr-defined]
 
-    return min(_cpu_gemv.simd()[0], _ISA_CAPS[envs.get("VLLM_OMNI_CPU_GEMV_ISA")])
+    return min(_cpu_gemv.simd()[0], _ISA_CAPS[envs.get("VLLM_OMNI_CPU_GEMV_ISA", environ)])
+
+
+@functools.cache
+def _isa() -> int:
+    """The instruction set the kernel takes (read once per process, when the kernel is first loaded)."""
+    return _capped_isa()
 
 
 @functools.cache
@@ -86,12 +91,9 @@ def multiplies_bf16_natively(environ: Mapping[str, str] | None = None) -> bool:
     caller's row cap depends on: many fewer instructions per weight than widening to float32, and
     int8 weights widened once for all rows of a long prefill. ``environ``: the environment of a
     server to be started, whose ``VLLM_OMNI_CPU_GEMV_ISA`` counts (default: this process's)."""
-    ext = _extension()[0]
-    if ext is None:
+    if _extension()[0] is None:
         return False
-    if environ is None:
-        return _isa() == _ISA_CAPS["auto"]
-    return min(ext.simd()[0], _ISA_CAPS[envs.get("VLLM_OMNI_CPU_GEMV_ISA", environ)]) == _ISA_CAPS["auto"]
+    return (_isa() if environ is None else _capped_isa(environ)) == _ISA_CAPS["auto"]
 
 
 def usable() -> bool:
@@ -336,8 +338,8 @@ def _mismatch(
     scale_ptr, scale_bf16 = (0, False) if scale is None else (scale.data_ptr(), scale.dtype is torch.bfloat16)
     side_args, xs, ws = (), x[:, :0].float(), w.new_zeros(n, 0, dtype=torch.float32)
     if side is not None:
-        xs = x.index_select(1, side[0]).float()
         side_x, ws = _side_operands(x, *side)
+        xs = side_x[:, :rows].t()  # x's float columns as the kernel reads them
         side_args = (side_x.data_ptr(), ws.data_ptr(), xs.shape[1])
     ext.gemv(x.data_ptr(), x.dtype is torch.bfloat16, rows, k, w.data_ptr(), _WEIGHT_KINDS[w.dtype], k, n,
              scale_ptr, scale_bf16, y.data_ptr(), False, 1, isa, group, *side_args)  # fmt: skip

@@ -242,8 +242,8 @@ def int8_linear(
     n, k = qweight.shape
     x2 = x.reshape(-1, k).to(torch.bfloat16)
     if scales.dim() == 2 and gemv and cpu_gemv.accepts(x2[:1], qweight, scales, traced=True):
-        y = grouped_kernel_op if torch.compiler.is_compiling() else _grouped_kernel
-        y = y(x2, qweight, scales, float_cols, float_weight)
+        product = grouped_kernel_op if torch.compiler.is_compiling() else _grouped_kernel
+        y = product(x2, qweight, scales, float_cols, float_weight)
         float_cols = None  # added by the kernel
     elif scales.dim() == 2:
         # torch has no int8 kernel with group scales: its dequantization and a bf16 GEMM.
