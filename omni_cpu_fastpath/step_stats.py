@@ -59,6 +59,9 @@ ENGINE_TOKENS = "engine.scheduled_tokens"
 # Torch threads of each talker engine step where code2wav shares the talker's cores
 # (serving/core_sharing.py): 1 while stepped down.
 TALKER_THREADS = "talker.threads"
+# Mean torch threads over the sub-steps of each predictor call that follows the server's count
+# (``CachedCodePredictor.follow_threads``).
+PREDICTOR_THREADS = "predictor.threads"
 # code2wav's decoder forward (``qwen3_tts/code2wav.py``).
 CODE2WAV_FORWARD = "code2wav.forward_ms"
 # Engine steps of a stage that scheduled nothing (all its requests waiting for input), counted by

@@ -192,6 +192,35 @@ def test_kernel_graph_entries_serve_another_checkpoint(
 
 
 @pytest.mark.slow
+def test_kernel_graph_entries_are_keyed_by_their_batch_range(tiny_model_dir, tmp_path, monkeypatch) -> None:
+    """The buckets above 1 share one graph whose batch dimension is dynamic over their range, and a
+    server of up to 8 rows must not load the graph compiled for one of up to 4 (its guard ``<= 4``
+    breaks the range Dynamo was told, and the step ran eager): each range has entries of its own,
+    bucket 1's graphs are shared."""
+    from omni_cpu_fastpath.qwen3_tts import quant
+    from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
+
+    monkeypatch.setenv("VLLM_OMNI_COMPILE_CACHE_DIR", str(tmp_path / "cache"))
+    stock = build_stock_predictor(tiny_model_dir)
+
+    def build(buckets: tuple[int, ...]) -> CachedCodePredictor:
+        pred = CachedCodePredictor.from_stock(
+            copy.deepcopy(stock), compile="step", buckets=buckets, warmup=False
+        )
+        quant.quantize_predictor(pred, "w8-channel", compile="step")
+        assert pred.warmup(), pred.compile_status
+        assert pred.compiler.kernel_graph and pred.compile_mode == "step", pred.compile_status
+        return pred
+
+    first = build((1, 2, 4))
+    assert (first.compiler.cache_hits, first.compiler.cache_misses) == (0, 4)
+    wider = build((1, 2, 4, 8))
+    assert (wider.compiler.cache_hits, wider.compiler.cache_misses) == (2, 2)
+    again = build((1, 2, 4))
+    assert (again.compiler.cache_hits, again.compiler.cache_misses) == (4, 0)
+
+
+@pytest.mark.slow
 def test_a_server_with_serves_defaults_loads_what_warmup_compiled(tiny_model_dir, tmp_path) -> None:
     """``warmup`` outside a server fills the entries the served int8 step looks up (the cache key
     holds global state that a vLLM worker sets, pinned by ``compiler.cache_key_state``), and

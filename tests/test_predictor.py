@@ -346,7 +346,7 @@ def test_compiled_step_serves_under_another_thread_count(tiny: dict, compiled: C
     dropping every bucket to eager."""
     from omni_cpu_fastpath.cpu_threads import set_torch_threads
 
-    warmed = compiled.compiler.compiled_threads
+    warmed = compiled.compiler.thread_counts[0]
     assert warmed >= 1
     other = 1 if warmed > 1 else 2
     one = {k: v[1:2] for k, v in tiny["inp"].items()}
@@ -362,6 +362,16 @@ def test_compiled_step_serves_under_another_thread_count(tiny: dict, compiled: C
     assert "dropped" not in compiled.compile_status, compiled.compile_status
     assert torch.equal(got, want)
     assert float((logits - want_logits).abs().max()) < 1e-5
+
+
+@pytest.mark.slow
+def test_compiled_gemm_templates_do_not_follow_the_thread_count(compiled: CachedCodePredictor) -> None:
+    """A step compiled around Inductor's GEMMs on frozen weights is built for one thread count:
+    asked to follow the runner's count sub-step by sub-step, it says why not and keeps the call's."""
+    why = compiled.follow_threads(lambda: 1, (1, 2))
+    assert why is not None and "frozen weights" in why, why
+    assert compiled._follow_threads is None
+    assert compiled.compiler.thread_counts == compiled.compiler.thread_counts[:1]
 
 
 @pytest.mark.slow

@@ -19,6 +19,7 @@ Tiny dimensions in fp32 (bit-equal); the released 0.6B dimensions in bf16 (bound
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -150,3 +151,51 @@ def test_float_predictor_then_int8_compiles_once(tiny_model_dir, monkeypatch) ->
     pred, _, _ = _build(stock, torch.float32, "off", "w8-channel", monkeypatch, max_batch=1)
     assert isinstance(pred.model.layers[0].mlp.down_proj, quant.Int8Linear)
     assert pred.compile_counts == {} and pred.compile_status == "off"
+
+
+@pytest.mark.slow
+def test_served_compile_follows_the_thread_count_sub_step_by_sub_step(model_0p6b_dir, monkeypatch) -> None:
+    """Where code2wav shares the talker's cores, the runner has the predictor run each sub-step at
+    the count it sets (one thread while code2wav decodes: ``follow_threads``). At the released
+    width in bf16 the compiled step then serves one and two threads without compiling at a
+    request, and gives the codes and logits of a call at a fixed count, bit for bit: Inductor's
+    own loops run on one thread and the kernel sums each output whole, where a 1024-wide RMSNorm
+    sum split between two threads would round by the count."""
+    from omni_cpu_fastpath.cpu_threads import set_torch_threads
+
+    prev = torch.get_num_threads()
+    set_torch_threads(2)
+    try:
+        stock = build_stock_predictor(model_0p6b_dir, torch.bfloat16)
+        width = stock.model.codec_embedding[0].weight.shape[1]
+        pred, _, served = _build(stock, torch.bfloat16, "step", "w8-channel", monkeypatch, max_batch=4)
+        assert served["predictor.compile"].endswith("; few-row kernel in the graph)"), served
+        plan = itertools.cycle((1, 2, 2, 1, 1, 1, 2))
+        ran_at: list[int] = []  # torch's count when each sub-step asked (the previous one's)
+
+        def threads_now() -> int:
+            ran_at.append(torch.get_num_threads())
+            return next(plan)
+
+        assert pred.follow_threads(threads_now, (1, 2)) is None
+        assert pred.compiler.thread_counts == (1, 2) or pred.compiler.thread_counts == (2, 1)
+        at_traced = _frames_compiled()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for bsz in (1, 3):
+                for seed in range(4):
+                    inp = _inputs(model_0p6b_dir, bsz, width, seed)
+                    followed = pred.forward_cached(**inp, generators=_gens(bsz, seed), return_logits=True)
+                    assert torch.get_num_threads() == 2, "the call's count is restored after it"
+                    pred.follow_threads(None)
+                    for fixed in (2, 1):
+                        set_torch_threads(fixed)
+                        got = pred.forward_cached(**inp, generators=_gens(bsz, seed), return_logits=True)
+                        assert torch.equal(got[0], followed[0]), (bsz, seed, fixed)
+                        assert torch.equal(got[1], followed[1]), (bsz, seed, fixed)
+                    set_torch_threads(2)
+                    assert pred.follow_threads(threads_now, (1, 2)) is None
+        assert _frames_compiled() == at_traced, "a call compiled the step again"
+        assert {1, 2} <= set(ran_at[1:]), ran_at
+        assert pred.compile_mode == "step" and "dropped" not in pred.compile_status, pred.compile_status
+    finally:
+        set_torch_threads(prev)

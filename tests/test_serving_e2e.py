@@ -467,9 +467,16 @@ def test_served_path_records_the_model_timers_and_components(server):
         # the thread count it ran at, beside its forward and predictor timers.
         decode = [ln["values"] for ln in lines if "model.talker_mtp_ms" in ln["values"]]
         assert decode and all(len(v.get("talker.threads", [])) == 1 for v in decode), decode[:3]
+        # The predictor follows the count sub-step by sub-step, within an engine step: each call
+        # records the mean count of its sub-steps.
+        counts = ", ".join(str(n) for n in sorted({1, cpus}))
+        assert talker["predictor.threads"] == f"each sub-step at the runner's count ({counts})", talker
+        per_call = [x for ln in lines for x in ln["values"].get("predictor.threads", [])]
+        assert per_call and all(1.0 <= x <= cpus for x in per_call), per_call[:5]
     else:
         assert talker["core_sharing"].startswith("off ("), talker
         assert not threads, threads
+        assert "predictor.threads" not in talker, talker
     log = server.log_path.read_text(errors="replace")
     assert "FastQwen3TTSTalker serves: " in log
     # The thread count changed by torch's builtin, not by the name vLLM's CPU worker replaces with

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -163,6 +164,8 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         # The largest batch the runner can hand the predictor: its compiled buckets stop there.
         self._max_batch = int(vllm_config.scheduler_config.max_num_seqs)
         self._predictor_built = False
+        # (threads_now, counts) from the runner for the predictor's sub-steps; see follow_threads().
+        self._thread_source: tuple[Callable[[], int], tuple[int, ...]] | None = None
         self._parity: Any = None  # parity.ParityChecker when VLLM_OMNI_PREDICTOR_PARITY_CHECK is on
         # talker_parity.TalkerParityChecker when VLLM_OMNI_TALKER_PARITY_CHECK is on with talker int8
         self._talker_parity: Any = None
@@ -283,10 +286,28 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         self.code_predictor, self._parity = built.predictor, built.checker
         for component, detail in built.served.items():
             self._serve(component, detail)
+        if self._thread_source is not None:
+            self.follow_threads(*self._thread_source)
         logger.info(
             "omni-cpu-fastpath: FastQwen3TTSTalker serves: %s",
             "; ".join(f"{k}: {v}" for k, v in self.served.items()),
         )
+
+    def follow_threads(self, threads_now: Callable[[], int], counts: Sequence[int]) -> None:
+        """Each sub-step of the code predictor runs at ``threads_now()`` torch threads, one of
+        ``counts`` (the runner's step-down while code2wav decodes on the same cores), where the
+        predictor can; ``predictor.threads`` in ``served`` says which."""
+        self._thread_source = (threads_now, tuple(sorted(set(counts))))
+        if not self._predictor_built:
+            return  # applied once the predictor is built
+        follow = getattr(self.code_predictor, "follow_threads", None)
+        listed = ", ".join(str(n) for n in self._thread_source[1])
+        if follow is None:
+            self._serve("predictor.threads", "the engine step's count (stock predictor)")
+        elif why := follow(threads_now, self._thread_source[1]):
+            self._serve("predictor.threads", f"the engine step's count ({why})")
+        else:
+            self._serve("predictor.threads", f"each sub-step at the runner's count ({listed})")
 
     # --- timed entry points --------------------------------------------------------------------
 

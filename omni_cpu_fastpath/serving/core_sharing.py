@@ -85,6 +85,10 @@ class ThreadStepper:
         self.flag = flag
         self.full = full or torch.get_num_threads()
 
+    def threads_now(self) -> int:
+        """The count for work whose arithmetic does not follow the count: 1 while the flag is up."""
+        return 1 if self.flag.is_up() else self.full
+
     def fit(self, decode_only: bool = True) -> int:
         """Set torch's thread count for the step about to run; returns the count torch now has.
 

@@ -128,6 +128,10 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
                 "core_sharing",
                 f"talker: 1 of {stepper.full} threads while code2wav decodes ({stepper.flag.path})",
             )
+            # The code predictor steps down sub-step by sub-step, within an engine step.
+            follow = getattr(self.model, "follow_threads", None)
+            if follow is not None:
+                follow(stepper.threads_now, (1, stepper.full))
         else:
             step_stats.served("core_sharing", f"off ({core_sharing.why_off()})")
 

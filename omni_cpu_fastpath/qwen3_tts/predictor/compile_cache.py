@@ -117,6 +117,22 @@ class WeightsKey(CustomGraphPass):
         return f"omni-cpu-fastpath-weights-{self.digest}"
 
 
+class BatchRangeKey(CustomGraphPass):
+    """A post-grad pass that changes nothing; its ``uuid`` puts the range of a graph's dynamic batch
+    dimension in the key. Inductor keys a graph by its code and the shapes it was traced at, not by
+    the range the batch was marked dynamic over: an entry compiled for 2-4 rows would load for 2-8,
+    with its guard ``<= 4``, which Dynamo refuses against the marked range (the step runs eager)."""
+
+    def __init__(self, lo: int, hi: int) -> None:
+        self.lo, self.hi = lo, hi
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return f"omni-cpu-fastpath-batch-{self.lo}-{self.hi}"
+
+
 def cache_options(module: nn.Module, frozen: bool = True) -> dict[str, Any]:
     """Inductor options that key the step's cache entries on ``module``'s weights when the compile
     freezes them (``frozen``); unfrozen weights are graph inputs, so entries serve any checkpoint.

@@ -96,7 +96,17 @@ INDUCTOR_OPTIONS: dict[str, Any] = {
 
 # Inductor settings where the linears call the few-row kernel: nothing for freezing to pre-pack, and
 # unfrozen weights are graph inputs, which keeps AOTAutograd's cache (bypassed under freezing).
-KERNEL_GRAPH_OPTIONS: dict[str, Any] = {"freezing": False, "epilogue_fusion": False}
+# Inductor's own loops run on one thread: at decode batches they are elementwise work and sums
+# over a few hidden vectors, where a parallel region costs more than it saves, and a sum split
+# across threads would round by the thread count. The kernel and ATen's ops sum each output
+# whole on one thread, so the step gives the same bits at any torch thread count, and the graph
+# compiled at one count serves the others (see StepCompiler.trace_at).
+KERNEL_GRAPH_OPTIONS: dict[str, Any] = {
+    "freezing": False,
+    "epilogue_fusion": False,
+    "cpp.threads": 1,
+    "cpp.dynamic_threads": False,
+}
 
 
 def bucket_compile_options(options: dict[str, Any], bucket: int) -> list[dict[str, Any]]:
@@ -153,11 +163,17 @@ class StepCompiler:
         self.cache_misses = 0
         self.status = "off" if mode == "off" else "step (not compiled yet)"
         self._generation = 0
-        # torch's thread count the steps were compiled at (0: none yet); see calling().
-        self.compiled_threads = 0
+        # torch's thread counts the steps were traced at, the warm-up's first (empty: none yet);
+        # see calling() and trace_at().
+        self.thread_counts: tuple[int, ...] = ()
+        self.follow_counts: tuple[int, ...] = ()  # what trace_at() was asked for, kept across warm-ups
 
     def thread_cap(self) -> ThreadCap:
         return ThreadCap(self.threads)
+
+    def runs_at(self, threads: int) -> bool:
+        """Whether a call at ``threads`` torch threads runs the steps as they are (eager: any count)."""
+        return self.steps is None or threads in self.thread_counts
 
     def bucket_for(self, rows: int) -> int:
         """The compiled bucket that serves ``rows`` rows, or 0 (eager)."""
@@ -167,13 +183,57 @@ class StepCompiler:
     def calling(self) -> Iterator[None]:
         """The state a compiled call runs under; past warm-up, a call that would compile fails.
 
-        Dynamo guards on torch's thread count, so a call under another count than the warm-up's
-        (the talker's step-down while code2wav decodes) would fail its guards: it runs at the
+        Dynamo guards on torch's thread count, so a call under a count the steps were not traced
+        at (the talker's step-down while code2wav decodes) would fail its guards: it runs at the
         warm-up's count, restored after.
         """
         stance = "default" if self.may_compile else "fail_on_recompile"
-        with ThreadCap(self.compiled_threads), compiled_call_state(), torch.compiler.set_stance(stance):
+        threads = torch.get_num_threads()
+        if threads not in self.thread_counts:
+            threads = self.thread_counts[0] if self.thread_counts else 0
+        with ThreadCap(threads), compiled_call_state(), torch.compiler.set_stance(stance):
             yield
+
+    def trace_at(self, counts: Iterable[int]) -> str | None:
+        """Make a call at each of ``counts`` torch threads run compiled, as at the warm-up's count;
+        None when it does (or the step runs eager, at any count), else why not.
+
+        Only the kernel graph: its arithmetic does not depend on the count (``KERNEL_GRAPH_OPTIONS``),
+        so each further count is one Dynamo trace that loads what Inductor compiled at the first.
+        Inductor's GEMM templates on frozen weights would compile anew per count and split their
+        sums by it. Kept across later warm-ups (new weights).
+        """
+        counts = tuple(sorted({int(n) for n in counts}))
+        if any(n < 1 for n in counts):
+            raise ValueError(f"thread counts must be >= 1, got {counts}")
+        if self.threads:
+            return f"VLLM_OMNI_PREDICTOR_THREADS caps it at {self.threads}"
+        if self.steps is None:
+            self.follow_counts = counts
+            return None
+        if not self.kernel_graph:
+            return "its compiled GEMMs on frozen weights are built for one thread count"
+        import torch._inductor.config  # noqa: F401 - torch.compile imports it lazily
+
+        self.follow_counts = counts
+        self.warming = self.may_compile = True
+        try:
+            with compile_cache.using_cache_dir(compile_cache.cache_dir()), cache_key_state():
+                for n in counts:
+                    if n in self.thread_counts:
+                        continue
+                    self.thread_counts += (n,)
+                    with ThreadCap(n):
+                        for bucket in sorted(self.steps):
+                            self.predictor.warm(bucket)
+        except Exception as exc:  # noqa: BLE001 - the steps stay compiled at the counts that worked
+            self.thread_counts = self.thread_counts[:-1]
+            self.follow_counts = ()
+            logger.warning("code predictor: tracing the compiled step at %d threads failed: %r", n, exc)
+            return f"tracing the compiled step at {n} threads failed: {describe(exc)}"
+        finally:
+            self.warming = self.may_compile = False
+        return None
 
     def invalidate(self, recompile: bool) -> None:
         """The weights changed: compiled steps froze the old ones, so drop them (and rebuild)."""
@@ -212,6 +272,8 @@ class StepCompiler:
         if not ok:
             return False
         self.steps = compiled
+        if self.follow_counts:
+            self.trace_at(self.follow_counts)  # on failure it warns; calls then run at the first count
         self.seconds = time.perf_counter() - t0
         how = "few-row kernel in the graph" if self.kernel_graph else "GEMM templates on frozen weights"
         self._set_status(
@@ -238,7 +300,9 @@ class StepCompiler:
             if len(batched) == 1:
                 compiled[batched[0]] = self._compile_bucket(batched[0], options)
             elif batched:
-                step = self._compile_bucket(batched[0], options, up_to=batched[-1])
+                key = compile_cache.BatchRangeKey(batched[0], batched[-1])
+                ranged = {**options, "post_grad_custom_post_pass": key}
+                step = self._compile_bucket(batched[0], ranged, up_to=batched[-1])
                 compiled.update((b, step) for b in batched)
         except Exception as exc:  # noqa: BLE001 - any compiler failure: run eager, say why
             return self._eager_after(exc)
@@ -337,7 +401,7 @@ class StepCompiler:
                 cache_key_state(),
                 self.thread_cap(),
             ):
-                self.compiled_threads = torch.get_num_threads()
+                self.thread_counts = (torch.get_num_threads(),)
                 self.predictor.warm(bucket)
                 self.may_compile = False
                 if up_to is not None:

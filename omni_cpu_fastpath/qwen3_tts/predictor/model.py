@@ -22,7 +22,7 @@ dict and do not double the memory; :meth:`CachedCodePredictor.refresh` rebuilds 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from omni_cpu_fastpath import step_stats
+from omni_cpu_fastpath.cpu_threads import set_torch_threads
 from omni_cpu_fastpath.qwen3_tts.noise import predictor_uniforms
 
 from .compiler import DEFAULT_BUCKETS, StepCompiler
@@ -53,6 +54,7 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
     # Tensors built from the config that the compiled step reads as constants: with the
     # parameters and persistent buffers they key its on-disk compile cache (compile_cache.py).
     digest_tensors = ("rope_cos", "rope_sin", "mask_table")
+    _follow_threads: Callable[[], int] | None = None  # see follow_threads()
 
     def __init__(
         self,
@@ -336,7 +338,9 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
                 try:
                     with compiler.calling():
                         assert compiler.steps is not None
-                        self._loop(compiler.steps[padded], x, u, sampling, greedy, padded, codes, all_logits)
+                        self._loop(
+                            compiler.steps[padded], x, u, sampling, greedy, padded, codes, all_logits, True
+                        )
                 except Exception as exc:  # noqa: BLE001 - a compiled step that fails must not fail serving
                     if compiler.warming:  # warmup() decides: retry with other options, or eager
                         raise
@@ -359,6 +363,7 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
         rows: int,
         codes: torch.Tensor,
         all_logits: list[torch.Tensor] | None,
+        compiled: bool = False,
     ) -> None:
         """The 15 sub-steps on ``rows`` rows (the batch padded up to a compiled bucket)."""
         bsz = codes.shape[0]
@@ -367,10 +372,38 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
             u = F.pad(u, (0, 0, 0, rows - bsz), value=_GREEDY_UNIFORM)
         u = u.contiguous()
         caches = self.new_caches(rows, x.dtype)
-        for s in range(self.num_steps):
-            pos, mask, head_idx = self.step_inputs(s)
-            with step_stats.timer(step_stats.PREDICTOR_SUBSTEP):
-                code, logits, x = step_fn(x, pos, mask, caches, head_idx, u[s], sampling, greedy)
-            codes[:, s + 1] = code[:bsz]
-            if all_logits is not None:
-                all_logits.append(logits[:bsz].float())
+        follow, start, used = self._follow_threads, torch.get_num_threads(), 0
+        try:
+            for s in range(self.num_steps):
+                if follow is not None:
+                    want = follow()
+                    if want != torch.get_num_threads() and (not compiled or self.compiler.runs_at(want)):
+                        set_torch_threads(want)
+                    used += torch.get_num_threads()
+                pos, mask, head_idx = self.step_inputs(s)
+                with step_stats.timer(step_stats.PREDICTOR_SUBSTEP):
+                    code, logits, x = step_fn(x, pos, mask, caches, head_idx, u[s], sampling, greedy)
+                codes[:, s + 1] = code[:bsz]
+                if all_logits is not None:
+                    all_logits.append(logits[:bsz].float())
+        finally:
+            if torch.get_num_threads() != start:
+                set_torch_threads(start)
+        if follow is not None:
+            step_stats.record(step_stats.PREDICTOR_THREADS, used / self.num_steps)
+
+    def follow_threads(self, threads_now: Callable[[], int] | None, counts: Sequence[int] = ()) -> str | None:
+        """Run each sub-step at ``threads_now()`` torch threads (one of ``counts``), read just before
+        it, instead of at the call's count; ``None`` stops. Returns None where it will, else why not.
+
+        A server whose other stage computes on the same cores steps the predictor down while it
+        does: with the compiled step that is one more trace per count, and the bits are those of
+        the call's count (``compiler.StepCompiler.trace_at``). The count at the call is restored
+        after its last sub-step.
+        """
+        if threads_now is None:
+            self._follow_threads = None
+            return None
+        why = self.compiler.trace_at(counts)
+        self._follow_threads = None if why else threads_now
+        return why
