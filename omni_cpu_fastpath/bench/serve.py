@@ -84,6 +84,7 @@ EXTRA_COUNTERS = (
     step_stats.ENGINE_EMPTY_STEPS,
     step_stats.ENGINE_TOKENS,
     step_stats.TALKER_THREADS,
+    step_stats.PREDICTOR_THREADS,
 )
 
 

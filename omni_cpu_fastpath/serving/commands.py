@@ -127,6 +127,7 @@ SERVE_DEFAULTS: dict[str, str] = {
     "VLLM_OMNI_PREDICTOR_COMPILE": "step",
     "VLLM_OMNI_CODE2WAV_FAST": "auto",
     "VLLM_OMNI_CODE2WAV_STREAMING": "1",
+    "VLLM_OMNI_CORE_SHARING": "1",
 }
 
 
