@@ -397,9 +397,9 @@ class CachedCodePredictor(StockPredictorInterface, nn.Module):
         it, instead of at the call's count; ``None`` stops. Returns None where it will, else why not.
 
         A server whose other stage computes on the same cores steps the predictor down while it
-        does: with the compiled step that is one more trace per count, and the bits are those of
-        the call's count (``compiler.StepCompiler.trace_at``). The count at the call is restored
-        after its last sub-step.
+        does. The compiled step needs one more trace per count, and its bits do not depend on the
+        count (``compiler.StepCompiler.trace_at``). The count at the call is restored after its
+        last sub-step.
         """
         if threads_now is None:
             self._follow_threads = None
