@@ -104,33 +104,35 @@ def weights_digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-class WeightsKey(CustomGraphPass):
-    """A post-grad pass that changes nothing; its ``uuid`` (the weights' digest) joins the cache key."""
+class KeyPass(CustomGraphPass):
+    """A post-grad pass that changes nothing; its ``uuid`` joins the cache key."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return f"omni-cpu-fastpath-{self.key}"
+
+
+class WeightsKey(KeyPass):
+    """The weights' digest in the cache key."""
 
     def __init__(self, digest: str) -> None:
+        super().__init__(f"weights-{digest}")
         self.digest = digest
 
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
 
-    def uuid(self) -> str:
-        return f"omni-cpu-fastpath-weights-{self.digest}"
-
-
-class BatchRangeKey(CustomGraphPass):
-    """A post-grad pass that changes nothing; its ``uuid`` puts the range of a graph's dynamic batch
-    dimension in the key. Inductor keys a graph by its code and the shapes it was traced at, not by
-    the range the batch was marked dynamic over: an entry compiled for 2-4 rows would load for 2-8,
-    with its guard ``<= 4``, which Dynamo refuses against the marked range (the step runs eager)."""
+class BatchRangeKey(KeyPass):
+    """The range of a graph's dynamic batch dimension in the cache key. Inductor keys a graph by its
+    code and the shapes it was traced at, not by the range the batch was marked dynamic over: an
+    entry compiled for 2-4 rows would load for 2-8, with its guard ``<= 4``, which Dynamo refuses
+    against the marked range (the step runs eager)."""
 
     def __init__(self, lo: int, hi: int) -> None:
-        self.lo, self.hi = lo, hi
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        return None
-
-    def uuid(self) -> str:
-        return f"omni-cpu-fastpath-batch-{self.lo}-{self.hi}"
+        super().__init__(f"batch-{lo}-{hi}")
 
 
 def cache_options(module: nn.Module, frozen: bool = True) -> dict[str, Any]:

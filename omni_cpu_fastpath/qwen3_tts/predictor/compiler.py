@@ -213,8 +213,6 @@ class StepCompiler:
             return None
         if not self.kernel_graph:
             return "its compiled GEMMs on frozen weights are built for one thread count"
-        import torch._inductor.config  # noqa: F401 - torch.compile imports it lazily
-
         self.follow_counts = counts
         self.warming = self.may_compile = True
         try:
