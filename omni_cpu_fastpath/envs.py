@@ -235,7 +235,8 @@ FLAGS: dict[str, Flag] = {
             "0",
             "1: where code2wav runs on the talker's cores (fewer than 4 CPUs), the talker takes one "
             "torch thread while a code2wav step runs, all of them otherwise, its predictor sub-step "
-            "by sub-step (0: always all; `omni-cpu-fastpath serve` sets 1 where unset).",
+            "by sub-step, and a chunk waits for a talker step already on all threads "
+            "(0: always all; `omni-cpu-fastpath serve` sets 1 where unset).",
         ),
         Flag(
             "VLLM_OMNI_OMP_BLOCKTIME",

@@ -10,6 +10,8 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -172,3 +174,106 @@ def test_the_talker_keeps_all_threads_for_a_step_with_prompt_rows(tmp_path: Path
         assert stepper.fit(decode_only=False) == 2
     finally:
         torch._C.set_num_threads(prev)
+
+
+# --- the other way: a chunk waits for a talker step already on all threads ---------------------
+
+
+@pytest.fixture
+def wide_stepper(tmp_path: Path) -> Iterator[core_sharing.ThreadStepper]:
+    """The talker's stepper with both flags (``tmp_path / "busy"``, ``"wide"``), at 2 threads."""
+    prev = torch.get_num_threads()
+    busy = core_sharing.BusyFlag(tmp_path / "busy", clear=True)
+    yield core_sharing.ThreadStepper(busy, full=2, wide=core_sharing.BusyFlag(tmp_path / "wide", clear=True))
+    torch._C.set_num_threads(prev)
+
+
+def test_the_talker_raises_its_wide_flag_for_a_step_on_all_threads_only(
+    wide_stepper: core_sharing.ThreadStepper,
+) -> None:
+    stepper, busy, wide = wide_stepper, wide_stepper.flag, wide_stepper.wide
+    assert wide is not None
+    assert stepper.fit() == 2 and wide.is_up()
+    stepper.forward_ended()
+    assert not wide.is_up()
+    busy.raise_()
+    assert stepper.fit() == 1 and not wide.is_up()  # a step on one thread keeps no one waiting
+    # A prompt's step keeps all threads beside a decode, and holds the next chunk back.
+    assert stepper.fit(decode_only=False) == 2 and wide.is_up()
+    stepper.forward_ended()
+    assert not wide.is_up()
+
+
+def test_a_waiting_chunk_steps_the_next_step_down_but_not_the_running_predictor(
+    wide_stepper: core_sharing.ThreadStepper,
+) -> None:
+    stepper, busy = wide_stepper, wide_stepper.flag
+    assert stepper.fit() == 2
+    busy.set(core_sharing.WAITING)  # a chunk came: code2wav waits for this step's forward
+    assert stepper.threads_now() == 2  # its predictor keeps both cores meanwhile
+    stepper.forward_ended()
+    busy.raise_()  # code2wav decodes
+    assert stepper.threads_now() == 1 and stepper.fit() == 1
+
+
+class _MarkedAfterFirstRead(core_sharing.BusyFlag):
+    """code2wav marking its flag right after the talker's first read of it."""
+
+    reads = 0
+
+    def state(self) -> int:
+        self.reads += 1
+        if self.reads == 2:
+            self.set(core_sharing.WAITING)
+        return super().state()
+
+
+def test_a_chunk_that_comes_as_the_talker_raises_its_flag_steps_the_talker_down(tmp_path: Path) -> None:
+    busy = _MarkedAfterFirstRead(tmp_path / "busy", clear=True)
+    wide = core_sharing.BusyFlag(tmp_path / "wide", clear=True)
+    prev = torch.get_num_threads()
+    try:
+        # Read once (idle), raise wide, read again (waiting): code2wav, which read wide after
+        # marking its flag, may have found it up for an instant, and this step runs on one thread.
+        assert core_sharing.ThreadStepper(busy, full=2, wide=wide).fit() == 1
+        assert busy.reads == 2 and not wide.is_up()
+    finally:
+        torch._C.set_num_threads(prev)
+
+
+def _code2wav_waits(wide: Path, busy: Path, cap_s: float) -> subprocess.Popen[str]:
+    code = (
+        "import sys; from pathlib import Path; from omni_cpu_fastpath.serving import core_sharing as c; "
+        "b = c.BusyFlag(Path(sys.argv[2]), clear=True); w = c.BusyFlag(Path(sys.argv[1])); "
+        "b.set(c.WAITING); t = c.wait_while_up(w, float(sys.argv[3])); b.raise_(); print(t, flush=True)"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, str(wide), str(busy), str(cap_s)], stdout=subprocess.PIPE, text=True
+    )
+
+
+def test_code2wav_waits_in_its_own_process_until_the_talkers_forward_ends(
+    tmp_path: Path, wide_stepper: core_sharing.ThreadStepper
+) -> None:
+    stepper, busy = wide_stepper, wide_stepper.flag
+    assert stepper.fit() == 2  # a step on all threads starts
+    child = _code2wav_waits(tmp_path / "wide", tmp_path / "busy", cap_s=60.0)
+    deadline = time.monotonic() + 60
+    while busy.state() != core_sharing.WAITING:  # code2wav has a chunk and waits
+        assert child.poll() is None and time.monotonic() < deadline, "code2wav did not wait"
+        time.sleep(0.01)
+    time.sleep(0.3)
+    assert child.poll() is None and busy.state() == core_sharing.WAITING, "decoded beside the step"
+    stepper.forward_ended()
+    out, _ = child.communicate(timeout=60)
+    assert 0.3 <= float(out) < 60.0 and busy.is_up()  # then it decodes
+    assert stepper.fit() == 1
+
+
+def test_code2wav_stops_waiting_at_the_cap_for_a_flag_left_up(tmp_path: Path) -> None:
+    wide = core_sharing.BusyFlag(tmp_path / "wide", clear=True)
+    wide.raise_()  # a talker that died mid-step
+    child = _code2wav_waits(tmp_path / "wide", tmp_path / "busy", cap_s=0.2)
+    out, _ = child.communicate(timeout=60)
+    assert 0.2 <= float(out) < 30.0 and wide.is_up()
+    assert core_sharing.wait_while_up(core_sharing.BusyFlag(tmp_path / "down", clear=True)) == 0.0

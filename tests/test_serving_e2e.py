@@ -29,6 +29,7 @@ from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
 
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.serving import commands as serving
+from omni_cpu_fastpath.serving import core_sharing
 
 pytestmark = pytest.mark.slow
 
@@ -494,6 +495,17 @@ def test_served_path_records_the_model_timers_and_components(server):
     c2w = [ln["values"] for ln in lines if "code2wav.frames_emitted" in ln["values"]]
     emitted = sum(sum(v["code2wav.frames_emitted"]) for v in c2w)
     assert emitted > 0 and sum(sum(v["code2wav.frames_decoded"]) for v in c2w) == emitted
+    # Where the cores are shared, each chunk but a request's first let a talker step on all
+    # threads end its forward, recorded in the decode's own line, never past the cap.
+    waits = [v for v in c2w if "code2wav.wait_talker_ms" in v]
+    if cpus < 4:
+        assert code2wav["core_sharing"].startswith("code2wav: raises "), code2wav
+        assert "after the forward of a talker step on all threads" in code2wav["core_sharing"], code2wav
+        assert waits and all("code2wav.forward_ms" in v for v in waits), c2w[:3]
+        cap_ms = core_sharing.WAIT_CAP_S * 1e3
+        assert all(0.0 <= w <= cap_ms + 50.0 for v in waits for w in v["code2wav.wait_talker_ms"]), waits
+    else:
+        assert not waits, waits
     # Every codebook-0 step took the C kernel's road.
     assert summary["sampler.road.kernel"]["count"] > 0 and "sampler.road.numpy" not in summary
     # In-situ parity of the served (int8) predictor against its fp32 copy, 15 values per frame.

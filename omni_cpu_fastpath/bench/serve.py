@@ -85,6 +85,7 @@ EXTRA_COUNTERS = (
     step_stats.ENGINE_TOKENS,
     step_stats.TALKER_THREADS,
     step_stats.PREDICTOR_THREADS,
+    step_stats.CODE2WAV_WAIT,
 )
 
 

@@ -122,11 +122,15 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         # model (the stock talker) this runner records those timers around the same calls.
         self._model_times_itself = bool(getattr(self.model, "records_step_timers", False))
         if core_sharing.wanted():
-            stepper = core_sharing.ThreadStepper(core_sharing.BusyFlag(core_sharing.flag_path()))
+            stepper = core_sharing.ThreadStepper(
+                core_sharing.BusyFlag(core_sharing.flag_path()),
+                wide=core_sharing.BusyFlag(core_sharing.wide_flag_path(), clear=True),
+            )
             self._threads = stepper
             step_stats.served(
                 "core_sharing",
-                f"talker: 1 of {stepper.full} threads while code2wav decodes ({stepper.flag.path})",
+                f"talker: 1 of {stepper.full} threads while code2wav decodes ({stepper.flag.path}); "
+                f"a chunk waits for a step on {stepper.full} to end its forward ({stepper.wide.path})",
             )
             # The code predictor steps down sub-step by sub-step, within an engine step.
             follow = getattr(self.model, "follow_threads", None)
@@ -162,6 +166,8 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
         self._step_tokens = sum(scheduled.values())
 
     def _end_step(self) -> None:
+        if self._threads is not None:  # a step that ran no forward
+            self._threads.forward_ended()
         if self._gap_from is not None:
             now = time.perf_counter()
             if self._ran_forward:
@@ -188,7 +194,11 @@ class CPUARModelRunner(_CpuOmniRunnerMixin, GPUARModelRunner, CPUModelRunner):
     def _model_forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._gap_from is not None:
             self._ran_forward = True
-        return self._timed_call(step_stats.MODEL_FORWARD, super()._model_forward, *args, **kwargs)
+        try:
+            return self._timed_call(step_stats.MODEL_FORWARD, super()._model_forward, *args, **kwargs)
+        finally:
+            if self._threads is not None:
+                self._threads.forward_ended()
 
     def _sample(self, *args: Any, **kwargs: Any) -> Any:
         return self._timed_call(step_stats.MODEL_SAMPLE, super()._sample, *args, **kwargs)
@@ -257,19 +267,32 @@ class CPUGenerationModelRunner(_CpuOmniRunnerMixin, GPUGenerationModelRunner, CP
 
     _empty_steps = 0  # steps that scheduled nothing since the last one that ran something
     _busy: core_sharing.BusyFlag | None = None  # raised while a step with work runs
+    _talker_wide: core_sharing.BusyFlag | None = None  # up while a talker step on all threads runs
+    _waited_s: float | None = None  # how long this step waited for the talker
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
         super().__init__(vllm_config, device)
         self._cpu_omni_post_init()
         if core_sharing.wanted():
             self._busy = core_sharing.BusyFlag(core_sharing.flag_path(), clear=True)
+            self._talker_wide = core_sharing.BusyFlag(core_sharing.wide_flag_path())
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
         if self._busy is not None:
-            step_stats.served("core_sharing", f"code2wav: raises {self._busy.path} while a step runs")
+            step_stats.served(
+                "core_sharing",
+                f"code2wav: raises {self._busy.path} while a step runs, after the forward of a talker "
+                f"step on all threads ({core_sharing.wide_flag_path()}, "
+                f"at most {core_sharing.WAIT_CAP_S:g} s; not for a request's first chunk)",
+            )
         else:
             step_stats.served("core_sharing", f"off ({core_sharing.why_off()})")
+
+    def _start_step(self, scheduler_output: Any) -> None:
+        if self._waited_s is not None:  # into this step's line, beside its forward
+            step_stats.record(step_stats.CODE2WAV_WAIT, self._waited_s * 1e3)
+            self._waited_s = None
 
     def _end_step(self) -> None:
         if self._busy is not None:
@@ -279,8 +302,13 @@ class CPUGenerationModelRunner(_CpuOmniRunnerMixin, GPUGenerationModelRunner, CP
     def execute_model(self, scheduler_output: Any, intermediate_tensors: Any = None) -> Any:
         if self._busy is not None and scheduler_output.total_num_scheduled_tokens > 0:
             # Lowered when the step ends (_end_step), or here if it fails.
-            self._busy.raise_()
             try:
+                # A step of the talker already on all threads runs to the end of its forward
+                # first, unless a request's first chunk is here.
+                if self._talker_wide is not None and not scheduler_output.scheduled_new_reqs:
+                    self._busy.set(core_sharing.WAITING)
+                    self._waited_s = core_sharing.wait_while_up(self._talker_wide)
+                self._busy.raise_()
                 return self._execute_model(scheduler_output, intermediate_tensors)
             except BaseException:
                 self._busy.lower()
