@@ -64,8 +64,8 @@ TALKER_THREADS = "talker.threads"
 PREDICTOR_THREADS = "predictor.threads"
 # code2wav's decoder forward (``qwen3_tts/code2wav.py``).
 CODE2WAV_FORWARD = "code2wav.forward_ms"
-# How long each code2wav step with work waited for a talker forward on all threads to end
-# (serving/core_sharing.py).
+# How long a code2wav step with work (other than a request's first chunk) waited for a talker
+# step on all threads to end its forward (serving/core_sharing.py).
 CODE2WAV_WAIT = "code2wav.wait_talker_ms"
 # Engine steps of a stage that scheduled nothing (all its requests waiting for input), counted by
 # the CPU generation runner and recorded with the next step that ran something.

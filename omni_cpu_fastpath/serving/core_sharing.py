@@ -49,7 +49,7 @@ from omni_cpu_fastpath.cpu_threads import set_torch_threads
 
 # The states of code2wav's flag.
 IDLE, DECODING, WAITING = 0, 1, 2
-# The longest code2wav waits for a talker forward on all threads before it decodes anyway.
+# The longest code2wav waits for a talker step on all threads to end its forward.
 WAIT_CAP_S = 0.5
 # How often code2wav looks at the talker's flag while it waits.
 WAIT_POLL_S = 0.0005

@@ -267,7 +267,7 @@ class CPUGenerationModelRunner(_CpuOmniRunnerMixin, GPUGenerationModelRunner, CP
 
     _empty_steps = 0  # steps that scheduled nothing since the last one that ran something
     _busy: core_sharing.BusyFlag | None = None  # raised while a step with work runs
-    _talker_wide: core_sharing.BusyFlag | None = None  # up while a talker step on all threads runs
+    _talker_wide: core_sharing.BusyFlag | None = None  # a talker step on all threads, to its forward's end
     _waited_s: float | None = None  # how long this step waited for the talker
 
     def __init__(self, vllm_config: Any, device: torch.device) -> None:
