@@ -93,7 +93,8 @@ FLAGS: dict[str, Flag] = {
             "path",
             "",
             "Inductor cache of the compiled predictor step, kept across restarts "
-            "(empty: TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/omni-cpu-fastpath/inductor).",
+            "(empty: TORCHINDUCTOR_CACHE_DIR if set, else ~/.cache/omni-cpu-fastpath/inductor); "
+            "under the CPU deploy config, of the compiled talker too (VLLM_OMNI_TALKER_COMPILE).",
             accepted="a directory path (empty: the default folder)",
         ),
         Flag(
@@ -172,8 +173,10 @@ FLAGS: dict[str, Flag] = {
             "off: the talker's decoder runs eager; vllm: vLLM's own compilation (Inductor, traced once "
             "for every batch size) compiles it at load, cached on disk by vLLM. Not with talker int8 "
             "w8-channel or w8-plain, VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV=1 "
-            "(their linears branch on the row count); off with VLLM_OMNI_CPU_FASTPATH off.",
-            choices=("off", "vllm"),
+            "(their linears branch on the row count); off with VLLM_OMNI_CPU_FASTPATH off. auto: vllm "
+            "where the talker serves int8 w8-group, else off (`omni-cpu-fastpath serve` sets auto "
+            "where unset).",
+            choices=("off", "vllm", "auto"),
         ),
         Flag(
             "VLLM_OMNI_TALKER_PARITY_CHECK",

@@ -224,7 +224,8 @@ def test_kernel_graph_entries_are_keyed_by_their_batch_range(tiny_model_dir, tmp
 def test_a_server_with_serves_defaults_loads_what_warmup_compiled(tiny_model_dir, tmp_path) -> None:
     """``warmup`` outside a server fills the entries the served int8 step looks up (the cache key
     holds global state that a vLLM worker sets, pinned by ``compiler.cache_key_state``), and
-    ``serve``'s defaults compile the step: four buckets loaded, none compiled, audio served."""
+    ``serve``'s defaults compile the step: four buckets loaded, none compiled, audio served (the
+    talker compiled by vLLM where it serves int8 ``w8-group``)."""
     from omni_cpu_fastpath import step_stats
     from omni_cpu_fastpath.serving import commands as serving
 
@@ -248,3 +249,7 @@ def test_a_server_with_serves_defaults_loads_what_warmup_compiled(tiny_model_dir
     assert status.endswith("; few-row kernel in the graph)"), status
     log = (tmp_path / "server.log").read_text(errors="replace")
     assert "4 graphs loaded, 0 compiled" in log, [ln for ln in log.splitlines() if "compile cache" in ln]
+    # serve's VLLM_OMNI_TALKER_COMPILE=auto: vLLM compiles the talker where it serves int8 w8-group.
+    compiled = talker["talker.compile"].startswith("vllm (")
+    assert compiled is talker["talker.int8"].startswith("w8-group"), talker
+    assert ("compiled by vLLM (VLLM_OMNI_TALKER_COMPILE)" in log) is compiled

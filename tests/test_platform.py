@@ -353,7 +353,7 @@ def test_serve_command_fills_cpu_defaults(tiny_model_dir, tmp_path, monkeypatch)
     assert [st.get("quantization") for st in written["stages"]] == ["omni_cpu_talker_w8_plain", None]
 
 
-def test_serve_compiles_the_predictor_streams_code2wav_and_shares_cores_unless_told_otherwise(monkeypatch):
+def test_serve_compiles_predictor_and_talker_streams_code2wav_shares_cores_unless_told_otherwise(monkeypatch):
     from omni_cpu_fastpath import envs
 
     theirs = {
@@ -361,6 +361,7 @@ def test_serve_compiles_the_predictor_streams_code2wav_and_shares_cores_unless_t
         "VLLM_OMNI_CODE2WAV_FAST": "auto",
         "VLLM_OMNI_CODE2WAV_STREAMING": "1",
         "VLLM_OMNI_CORE_SHARING": "1",
+        "VLLM_OMNI_TALKER_COMPILE": "auto",
     }
     for name in [*theirs, "VLLM_OMNI_CPU_FASTPATH"]:
         monkeypatch.delenv(name, raising=False)
@@ -373,6 +374,7 @@ def test_serve_compiles_the_predictor_streams_code2wav_and_shares_cores_unless_t
         "VLLM_OMNI_PREDICTOR_COMPILE": "step",
         "VLLM_OMNI_CODE2WAV_FAST": "auto",
         "VLLM_OMNI_CORE_SHARING": "1",
+        "VLLM_OMNI_TALKER_COMPILE": "auto",
     }
     # "0" is a value the user set: it stays.
     assert "VLLM_OMNI_CORE_SHARING" not in serving.serve_defaults({"VLLM_OMNI_CORE_SHARING": "0"})
@@ -387,6 +389,7 @@ def test_serve_compiles_the_predictor_streams_code2wav_and_shares_cores_unless_t
     assert envs.get("VLLM_OMNI_CODE2WAV_STREAMING") is False
     assert envs.raw("VLLM_OMNI_CODE2WAV_FAST") == "0"
     assert envs.get("VLLM_OMNI_CORE_SHARING") is False
+    assert envs.get("VLLM_OMNI_TALKER_COMPILE") == "off"
 
 
 def test_serve_rejects_a_folder_that_is_not_a_checkpoint(tmp_path):

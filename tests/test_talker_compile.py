@@ -45,7 +45,8 @@ def test_flag_compiles_the_talker_stage_only_on_both_roads(tiny_model_dir, tmp_p
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
     monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")
     archs = {TALKER: "Qwen3TTSTalkerForConditionalGeneration", CODE2WAV: "Qwen3TTSCode2Wav"}
-    for flag, talker_eager in (("off", True), ("vllm", False)):
+    # auto: eager beside int8 off (compiled only where the talker serves w8-group, tested below).
+    for flag, talker_eager in (("off", True), ("vllm", False), ("auto", True)):
         monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", flag)
         overlay = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
         written = {s["stage_id"]: s for s in overlay["stages"]}
@@ -55,6 +56,15 @@ def test_flag_compiles_the_talker_stage_only_on_both_roads(tiny_model_dir, tmp_p
         aot = written[TALKER.stage_id]["env"].get("VLLM_USE_AOT_COMPILE")
         assert aot == (None if talker_eager else "0"), flag
         assert "VLLM_USE_AOT_COMPILE" not in written[CODE2WAV.stage_id].get("env", {})
+        # Inductor's caches of the compiled talker: the package's folder under XDG_CACHE_HOME, not /tmp.
+        inductor = written[TALKER.stage_id]["env"].get("TORCHINDUCTOR_CACHE_DIR")
+        assert inductor == (None if talker_eager else str(tmp_path / "omni-cpu-fastpath" / "inductor")), flag
+        assert "TORCHINDUCTOR_CACHE_DIR" not in written[CODE2WAV.stage_id].get("env", {})
+        with monkeypatch.context() as m:  # or the folder the compile-cache flag names
+            m.setenv("VLLM_OMNI_COMPILE_CACHE_DIR", str(tmp_path / "mine"))
+            overlay = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+            inductor = overlay["stages"][TALKER.stage_id].get("env", {}).get("TORCHINDUCTOR_CACHE_DIR")
+            assert inductor == (None if talker_eager else str(tmp_path / "mine")), flag
         with monkeypatch.context() as m:  # a value the user set is theirs
             m.setenv("VLLM_USE_AOT_COMPILE", "1")
             overlay = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
@@ -105,6 +115,50 @@ def test_bad_values_and_branching_linears_are_refused_by_name(monkeypatch) -> No
     monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "0")
     with pytest.raises(envs.FlagError, match=r"VLLM_OMNI_TALKER_COMPILE='vllm'.*VLLM_OMNI_CPU_FASTPATH='0'"):
         deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+
+
+def test_auto_compiles_beside_w8_group_only_and_is_never_refused(monkeypatch) -> None:
+    """``auto`` (what ``serve`` sets) compiles where the talker serves int8 ``w8-group`` and leaves
+    it eager, unrefused, beside everything ``vllm`` would refuse."""
+    from omni_cpu_fastpath.qwen3_tts import talker
+
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "auto")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "auto")
+    monkeypatch.delenv("VLLM_OMNI_TALKER_DECODE_GEMV", raising=False)
+    methods = stage_settings.TALKER_INT8_METHODS
+    cases = (
+        ({"VLLM_OMNI_TALKER_INT8": "w8-group"}, False, methods["w8-group"]),
+        ({"VLLM_OMNI_TALKER_INT8": "w8-channel"}, True, methods["w8-channel"]),
+        ({"VLLM_OMNI_TALKER_INT8": "w8-plain"}, True, methods["w8-plain"]),
+        ({"VLLM_OMNI_TALKER_INT8": "off", "VLLM_OMNI_TALKER_FP32_PREFILL": "on"}, True,
+         stage_settings.TALKER_FP32_PREFILL_METHOD),
+        ({"VLLM_OMNI_TALKER_INT8": "off", "VLLM_OMNI_TALKER_FP32_PREFILL": "off"}, True, None),
+        ({"VLLM_OMNI_TALKER_INT8": "off", "VLLM_OMNI_TALKER_FP32_PREFILL": "off",
+          "VLLM_OMNI_TALKER_DECODE_GEMV": "1"}, True, stage_settings.TALKER_DECODE_GEMV_METHOD),
+        ({"VLLM_OMNI_CPU_FASTPATH": "0", "VLLM_OMNI_TALKER_INT8": "auto"}, True, None),
+    )  # fmt: skip
+    for env, eager, method in cases:
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
+            written = {s["stage_id"]: s for s in stages}
+            assert written[TALKER.stage_id]["enforce_eager"] is eager, env
+            assert written[TALKER.stage_id].get("quantization") == method, env
+            assert written[CODE2WAV.stage_id]["enforce_eager"] is True, env
+            assert stage_settings.stage_compiles(TALKER) is not eager, env
+            assert ("VLLM_USE_AOT_COMPILE" in written[TALKER.stage_id].get("env", {})) is not eager, env
+            if eager:  # what the talker records says why auto left it eager
+                why = "VLLM_OMNI_TALKER_COMPILE=auto compiles beside talker int8 w8-group"
+                assert why in talker.eager_status(), env
+    # Under the int8 flag's own auto, as it resolves on this CPU.
+    monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
+    assert stage_settings.stage_compiles(TALKER) is (stage_settings.talker_int8_scheme() == "w8-group")
+    monkeypatch.setattr(stage_settings, "cpu_has_native_bf16", lambda: False)  # auto int8: off
+    assert stage_settings.talker_int8_scheme() == "off" and not stage_settings.stage_compiles(TALKER)
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "off")
+    assert talker.eager_status() == "off (eager)"
 
 
 def test_fp32_prefill_auto_gives_way_to_the_compiled_talker(monkeypatch) -> None:

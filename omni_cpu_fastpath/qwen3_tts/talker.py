@@ -22,8 +22,9 @@ when VLLM_OMNI_CPU_FASTPATH is on. What it changes, each behind its own flag:
   VLLM_OMNI_TALKER_FP32_PREFILL and VLLM_OMNI_TALKER_DECODE_GEMV take the same road with int8 off
   (``quant/talker_fp32_prefill.py``); this class records how the float linears run as
   ``talker.prefill``.
-- VLLM_OMNI_TALKER_COMPILE=vllm leaves the stage's decoder to vLLM's own compilation (the stage
-  settings); this class records it as ``talker.compile``, and with the parity check on the
+- VLLM_OMNI_TALKER_COMPILE=vllm (``auto``: beside int8 ``w8-group``) leaves the stage's decoder to
+  vLLM's own compilation (the stage settings); this class records it as ``talker.compile``
+  (with why ``auto`` left it eager), and with the parity check on the
   reference forward runs the decoder eager (``talker_parity.eager_decoder``).
 - VLLM_OMNI_CPU_FAST_SAMPLER (CPU only): ``prefer_model_sampler = True`` and ``sample()`` uses
   ``omni_cpu_fastpath.qwen3_tts.sampler.CpuSampler`` (no torch.compile) for codebook 0.
@@ -145,6 +146,13 @@ def compile_status(vllm_config: Any) -> str:
     return f"vllm ({mode}, backend {config.backend}: one graph for every batch size, compiled at load)"
 
 
+def eager_status() -> str:
+    """``talker.compile`` of an eager talker, with why ``auto`` left it eager."""
+    if envs.get("VLLM_OMNI_TALKER_COMPILE") != "auto":
+        return "off (eager)"
+    return "off (eager; VLLM_OMNI_TALKER_COMPILE=auto compiles beside talker int8 w8-group only)"
+
+
 class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
     """The stock talker plus the KV-cached predictor and the compile-free sampler."""
 
@@ -187,7 +195,7 @@ class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):
         dtype = vllm_config.model_config.dtype
         self._serve("talker.prefill", talker_fp32_prefill.served_status(self, quant_config, dtype))
         compiled = not getattr(self.model, "do_not_compile", True)
-        self._serve("talker.compile", compile_status(vllm_config) if compiled else "off (eager)")
+        self._serve("talker.compile", compile_status(vllm_config) if compiled else eager_status())
         if isinstance(quant_config, talker_fp32_prefill.TalkerFp32PrefillConfig):
             quant_config = None  # no int8: its decoder linears are float
         from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import TalkerW8Config, served_status

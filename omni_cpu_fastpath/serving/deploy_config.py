@@ -3,7 +3,7 @@
 It is an overlay on vllm-omni's own qwen3_tts.yaml (``base_config`` inheritance), written from the
 table of :mod:`omni_cpu_fastpath.serving.stage_settings`. vllm-omni's file is written for one GPU:
 Model Runner V2 (Triton kernels), CUDA graphs, 30 % of device memory per stage. On CPU: V1 runners,
-eager (no graphs; compiling the talker with inductor takes minutes on a few cores), a fixed KV
+eager stages (no graphs) unless VLLM_OMNI_TALKER_COMPILE has vLLM compile the talker, a fixed KV
 budget rather than 30 % of host RAM, and the cores split between the two stage workers.
 """
 
@@ -28,7 +28,7 @@ from .stage_settings import (
 )
 
 # Part of the written file: bump it when the YAML written for the same inputs changes.
-CPU_DEPLOY_VERSION = 3
+CPU_DEPLOY_VERSION = 4
 
 
 def cpu_deploy_overlay(
@@ -66,11 +66,17 @@ def _stage_overlay(
     if executor is not None:
         stage["distributed_executor_backend"] = executor
     server_env = os.environ if environ is None else environ
-    if stage_compiles(settings, environ) and "VLLM_USE_AOT_COMPILE" not in server_env:
-        # vLLM's AOT artifact of a model compiled on CPU fails to load at the next start ("'function'
-        # object has no attribute 'finalize_loading'"), so each start compiled it again; the cache
-        # vLLM keeps without AOT loads.
-        env = {**env, "VLLM_USE_AOT_COMPILE": "0"}
+    if stage_compiles(settings, environ):
+        if "VLLM_USE_AOT_COMPILE" not in server_env:
+            # vLLM's AOT artifact of a model compiled on CPU fails to load at the next start
+            # ("'function' object has no attribute 'finalize_loading'"), so each start compiled it
+            # again; without it, Inductor's own caches serve the next start.
+            env = {**env, "VLLM_USE_AOT_COMPILE": "0"}
+        # vLLM compiles the talker on CPU with the stock Inductor backend, whose caches default to
+        # a folder under /tmp that a reboot empties: the predictor's folder keeps them.
+        from omni_cpu_fastpath.qwen3_tts.predictor import compile_cache
+
+        env = {**env, "TORCHINDUCTOR_CACHE_DIR": str(compile_cache.cache_dir(server_env))}
     if env:
         stage["env"] = env
     return stage

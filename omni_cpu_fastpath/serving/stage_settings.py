@@ -213,11 +213,15 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
     eager), a talker int8 scheme other than :data:`COMPILED_TALKER_INT8`,
     ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1`` (linear methods that
     pick a kernel by the row count in traced code, which one graph would fix for every batch size).
+    ``auto`` is :func:`auto_compiles`, never refused.
     """
     if settings is None or not settings.vllm_compile:
         return False
     environ = os.environ if environ is None else environ
-    if envs.get("VLLM_OMNI_TALKER_COMPILE", environ) == "off":
+    setting = envs.get("VLLM_OMNI_TALKER_COMPILE", environ)
+    if setting == "auto":
+        return auto_compiles(environ)
+    if setting == "off":
         return False
     asked = f"VLLM_OMNI_TALKER_COMPILE={envs.raw('VLLM_OMNI_TALKER_COMPILE', environ)!r}"
     if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
@@ -239,6 +243,20 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
                 f"would keep one of them; set {name}=off, or VLLM_OMNI_TALKER_COMPILE=off"
             )
     return True
+
+
+def auto_compiles(environ: Mapping[str, str] | None = None) -> bool:
+    """What VLLM_OMNI_TALKER_COMPILE=auto serves: compiled where the talker serves a
+    :data:`COMPILED_TALKER_INT8` scheme (the configuration whose compiled forward was measured
+    faster) and nothing asks for a linear method that branches on the row count; eager otherwise,
+    never refused."""
+    environ = os.environ if environ is None else environ
+    return bool(
+        envs.get("VLLM_OMNI_CPU_FASTPATH", environ)
+        and talker_int8_scheme(environ) in COMPILED_TALKER_INT8
+        and envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) != "on"
+        and not envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ)
+    )
 
 
 def stage_dtype(settings: StageSettings | None, environ: Mapping[str, str] | None = None) -> str | None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,24 +31,27 @@ FLAG = "VLLM_OMNI_COMPILE_CACHE_DIR"
 _TORCH_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
-def default_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+def default_dir(environ: Mapping[str, str] | None = None) -> Path:
+    environ = os.environ if environ is None else environ
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "omni-cpu-fastpath" / "inductor"
 
 
-def cache_dir() -> Path:
-    """The folder compiles use: the flag, else a TORCHINDUCTOR_CACHE_DIR the user set, else ours."""
-    path = envs.get(FLAG)
+def cache_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The folder compiles use: the flag, else a TORCHINDUCTOR_CACHE_DIR the user set, else ours.
+    ``environ``: the environment of the process that compiles (default: this one's)."""
+    environ = os.environ if environ is None else environ
+    path = envs.get(FLAG, environ)
     if path:
         return Path(path).expanduser()
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     # Importing Inductor writes torch's own default (under /tmp) into the variable, so that value
     # says nothing about the user's wish.
-    torch_dir = os.environ.get(_TORCH_ENV)
+    torch_dir = environ.get(_TORCH_ENV)
     if torch_dir and torch_dir != default_cache_dir():
         return Path(torch_dir)
-    return default_dir()
+    return default_dir(environ)
 
 
 @contextlib.contextmanager
