@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=None, help="the talker's (default: serve's)")
     s.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     s.add_argument("--threads", type=int, default=None, help="torch threads (default: the talker's)")
+    s.add_argument(
+        "--talker",
+        action="store_true",
+        help="then start the server once as serve would, so that vLLM compiles the talker into the cache",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(run=_lazy("qwen3_tts.warmup", "cli_warmup"))
 

@@ -224,14 +224,16 @@ def test_kernel_graph_entries_are_keyed_by_their_batch_range(tiny_model_dir, tmp
 def test_a_server_with_serves_defaults_loads_what_warmup_compiled(tiny_model_dir, tmp_path) -> None:
     """``warmup`` outside a server fills the entries the served int8 step looks up (the cache key
     holds global state that a vLLM worker sets, pinned by ``compiler.cache_key_state``), and
-    ``serve``'s defaults compile the step: four buckets loaded, none compiled, audio served (the
-    talker compiled by vLLM where it serves int8 ``w8-group``)."""
+    ``serve``'s defaults compile the step: four buckets loaded, none compiled, audio served. The
+    talker, compiled by vLLM where it serves int8 ``w8-group``, was compiled into the same folder
+    by ``warmup --talker``: the server adds nothing to it."""
     from omni_cpu_fastpath import step_stats
     from omni_cpu_fastpath.serving import commands as serving
 
     cache = tmp_path / "inductor"
-    first = _warmup(tiny_model_dir, cache)
+    first = _warmup(tiny_model_dir, cache, "--talker")
     assert first["buckets"] == [1, 2, 4, 8] and first["graphs_compiled"] == 4, first
+    warmed = _cache_files(cache)
     env = {
         **serving.serve_defaults({}),
         "VLLM_OMNI_COMPILE_CACHE_DIR": str(cache),
@@ -253,3 +255,13 @@ def test_a_server_with_serves_defaults_loads_what_warmup_compiled(tiny_model_dir
     compiled = talker["talker.compile"].startswith("vllm (")
     assert compiled is talker["talker.int8"].startswith("w8-group"), talker
     assert ("compiled by vLLM (VLLM_OMNI_TALKER_COMPILE)" in log) is compiled
+    assert first["talker"]["compiled"] is compiled, first["talker"]
+    if compiled:
+        assert first["talker"]["cache_dir"] == str(cache), first["talker"]
+    # Every graph of this start, the talker's too, came from what warmup left.
+    assert _cache_files(cache) == warmed, sorted(map(str, _cache_files(cache) - warmed))
+
+
+def _cache_files(cache: Path) -> set[Path]:
+    """The files of an Inductor cache folder (its lock files aside)."""
+    return {p.relative_to(cache) for p in cache.rglob("*") if p.is_file() and "locks" not in p.parts}

@@ -5,6 +5,10 @@ the same flags, int8 variant, dtype and buckets up to the talker's ``max_num_seq
 talker's torch thread count, which Inductor's cache keys on), with
 ``VLLM_OMNI_PREDICTOR_COMPILE=step``. The compiled graphs land in the on-disk cache
 (``predictor/compile_cache.py``), so a server started next loads them instead of compiling.
+
+The talker that vLLM compiles (``VLLM_OMNI_TALKER_COMPILE``) is compiled only inside a vLLM
+worker, so ``--talker`` starts the server once as ``serve`` would and stops it when it answers:
+its Inductor cache then lands in the same folder (the deploy config points it there).
 """
 
 from __future__ import annotations
@@ -128,6 +132,35 @@ def warmup(
     }
 
 
+def warm_talker(model_dir: str | Path) -> dict[str, Any]:
+    """Start ``serve``'s server for ``model_dir`` once (its defaults, where the environment does not
+    set them) so that vLLM compiles the talker into Inductor's cache; what it did."""
+    import tempfile
+
+    from omni_cpu_fastpath import envs
+    from omni_cpu_fastpath.serving import commands as serving
+    from omni_cpu_fastpath.serving.stage_settings import QWEN3_TTS_STAGES, stage_compiles
+
+    env = serving.serve_defaults()
+    server_env = {**os.environ, **env}
+    if not stage_compiles(QWEN3_TTS_STAGES[0], server_env):
+        setting = envs.raw("VLLM_OMNI_TALKER_COMPILE", server_env)
+        why = f"serve runs the talker eager here (VLLM_OMNI_TALKER_COMPILE={setting!r}): nothing to compile"
+        return {"compiled": False, "why": why}
+    from omni_cpu_fastpath.qwen3_tts.predictor import compile_cache
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="omni-warmup-") as tmp:
+        log = Path(tmp) / "server.log"
+        with serving.running_server(str(model_dir), log, env=env, ready_timeout_s=serving.INIT_TIMEOUT_S):
+            pass
+    return {
+        "compiled": True,
+        "server_start_s": round(time.perf_counter() - t0, 1),
+        "cache_dir": str(compile_cache.cache_dir(server_env)),
+    }
+
+
 def format_result(r: dict[str, Any]) -> str:
     lines = [f"{k}: {v}" for k, v in r["served"].items()]
     lines.append(
@@ -136,6 +169,14 @@ def format_result(r: dict[str, Any]) -> str:
         f"{r['graphs_loaded']} graphs loaded from the cache, {r['graphs_compiled']} compiled"
     )
     lines.append(f"compile cache: {r['cache_dir'] or 'off'}")
+    talker = r.get("talker")
+    if talker is not None and talker["compiled"]:
+        lines.append(
+            f"talker: compiled by vLLM in a server start of {talker['server_start_s']} s "
+            f"(Inductor cache {talker['cache_dir']})"
+        )
+    elif talker is not None:
+        lines.append(f"talker: {talker['why']}")
     return "\n".join(lines)
 
 
@@ -144,5 +185,7 @@ def cli_warmup(args: argparse.Namespace) -> int:
 
     with contextlib.redirect_stdout(sys.stderr):
         result = warmup(args.model, args.max_num_seqs, args.dtype, args.threads)
+        if args.talker and result["ok"]:
+            result["talker"] = warm_talker(args.model)
     print(json.dumps(result, indent=1) if args.json else format_result(result))
     return 0 if result["ok"] else 1
