@@ -171,7 +171,8 @@ FLAGS: dict[str, Flag] = {
             "choice",
             "off",
             "off: the talker's decoder runs eager; vllm: vLLM's own compilation (Inductor, traced once "
-            "for every batch size) compiles it at load, cached on disk by vLLM. Not with talker int8 "
+            "for every batch size) compiles it at load, cached on disk by Inductor (the CPU deploy "
+            "config: in VLLM_OMNI_COMPILE_CACHE_DIR's folder). Not with talker int8 "
             "w8-channel or w8-plain, VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV=1 "
             "(their linears branch on the row count); off with VLLM_OMNI_CPU_FASTPATH off. auto: vllm "
             "where the talker serves int8 w8-group, else off (`omni-cpu-fastpath serve` sets auto "

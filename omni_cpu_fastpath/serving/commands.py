@@ -120,10 +120,11 @@ def _vllm_executable() -> str:
 # What ``serve`` sets where the environment does not (and so the demo and ``bench serve``, which
 # show what it serves): the compiled predictor step (around the few-row kernel a warm start adds
 # seconds; ``omni-cpu-fastpath warmup MODEL`` fills the cache ahead of the first), the talker
-# compiled by vLLM where it serves int8 ``w8-group`` (vLLM's own cache keeps it; not bit-equal to
-# the eager talker), and code2wav's fast decoder and streaming vocoder in the stage's dtype (each
-# within rounding of the stock decoder, not bit-equal to it). Plain ``vllm serve`` and the library
-# keep each flag's own default, which the bit-equality tests against stock hold.
+# compiled by vLLM where it serves int8 ``w8-group`` (Inductor's cache keeps it, and ``warmup
+# MODEL --talker`` fills it; not bit-equal to the eager talker), and code2wav's fast decoder and
+# streaming vocoder in the stage's dtype (each within rounding of the stock decoder, not bit-equal
+# to it). Plain ``vllm serve`` and the library keep each flag's own default, which the
+# bit-equality tests against stock hold.
 SERVE_DEFAULTS: dict[str, str] = {
     "VLLM_OMNI_PREDICTOR_COMPILE": "step",
     "VLLM_OMNI_CODE2WAV_FAST": "auto",
