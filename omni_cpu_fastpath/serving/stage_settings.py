@@ -230,19 +230,25 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
             f"{asked} needs the fast path, but {master} turns it off (the stock talker serves "
             "eager): set VLLM_OMNI_TALKER_COMPILE=off (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
         )
+    branching = _branching_linears(environ)
+    if branching:
+        name = branching[0]
+        raise envs.FlagError(
+            f"{asked} cannot serve beside {name}={envs.raw(name, environ)!r}: its linear method "
+            "picks a kernel by the number of rows, and a graph traced once for every batch size "
+            f"would keep one of them; set {name}=off, or VLLM_OMNI_TALKER_COMPILE=off"
+        )
+    return True
+
+
+def _branching_linears(environ: Mapping[str, str]) -> list[str]:
+    """The flags set to a linear method that picks a kernel by the row count in traced code."""
     branching = {
         "VLLM_OMNI_TALKER_INT8": talker_int8_scheme(environ) not in ("off", *COMPILED_TALKER_INT8),
         "VLLM_OMNI_TALKER_FP32_PREFILL": envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) == "on",
         "VLLM_OMNI_TALKER_DECODE_GEMV": envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ),
     }
-    for name, on in branching.items():
-        if on:
-            raise envs.FlagError(
-                f"{asked} cannot serve beside {name}={envs.raw(name, environ)!r}: its linear method "
-                "picks a kernel by the number of rows, and a graph traced once for every batch size "
-                f"would keep one of them; set {name}=off, or VLLM_OMNI_TALKER_COMPILE=off"
-            )
-    return True
+    return [name for name, on in branching.items() if on]
 
 
 def auto_compiles(environ: Mapping[str, str] | None = None) -> bool:
@@ -254,8 +260,7 @@ def auto_compiles(environ: Mapping[str, str] | None = None) -> bool:
     return bool(
         envs.get("VLLM_OMNI_CPU_FASTPATH", environ)
         and talker_int8_scheme(environ) in COMPILED_TALKER_INT8
-        and envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) != "on"
-        and not envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ)
+        and not _branching_linears(environ)
     )
 
 
