@@ -33,6 +33,7 @@ class Flag:
     doc: str
     choices: tuple[str, ...] = ()
     accepted: str = ""  # human description of accepted values (derived when empty)
+    minimum: int = 0  # the least integer an "int" or "opt-int" flag takes
 
     def accepted_values(self) -> str:
         if self.accepted:
@@ -44,9 +45,9 @@ class Flag:
         if self.type == "choice":
             return "|".join(self.choices)
         if self.type == "int":
-            return "an integer >= 0"
+            return f"an integer >= {self.minimum}"
         if self.type == "opt-int":
-            return "auto, an integer >= 0, or empty"
+            return f"auto, an integer >= {self.minimum}, or empty"
         return "a directory path (empty: off)"
 
     def error(self, raw: str) -> FlagError:
@@ -227,6 +228,18 @@ FLAGS: dict[str, Flag] = {
             choices=("float32", "bfloat16", "auto"),
         ),
         Flag(
+            "VLLM_OMNI_CODE2WAV_CHUNK_FRAMES",
+            "opt-int",
+            "auto",
+            "frames per chunk the talker hands code2wav after a request's first (vllm-omni's "
+            "codec_chunk_frames), written into the CPU deploy config of `omni-cpu-fastpath serve` (a "
+            "plain `vllm serve --omni` reads its deploy file's). auto: 10 where the streaming vocoder "
+            "serves (a short chunk costs it little, and a request's last audio waits for fewer "
+            "frames after its last talker step), else the deploy file's own (25). Not with "
+            "VLLM_OMNI_CPU_FASTPATH off.",
+            minimum=1,
+        ),
+        Flag(
             "VLLM_OMNI_CODE2WAV_IDLE_MS",
             "int",
             "10",
@@ -364,7 +377,7 @@ def _parse(flag: Flag, value: str) -> Any:
             n = int(value.strip())
         except ValueError:
             raise flag.error(value) from None
-        if n < 0:
+        if n < flag.minimum:
             raise flag.error(value)
         return n
     if flag.type == "path":

@@ -292,6 +292,7 @@ def test_stock_row_serves_beside_fast_flags_exported_for_the_fast_row() -> None:
         "VLLM_OMNI_TALKER_DECODE_GEMV": "1",
         "VLLM_OMNI_TALKER_COMPILE": "vllm",
         "VLLM_OMNI_CODE2WAV_DTYPE": "bfloat16",
+        "VLLM_OMNI_CODE2WAV_CHUNK_FRAMES": "12",
     }
     assert set(serve.STOCK_ROW_FLAGS) == set(exported)
     off = {"VLLM_OMNI_CPU_FASTPATH": "0"}
@@ -302,6 +303,7 @@ def test_stock_row_serves_beside_fast_flags_exported_for_the_fast_row() -> None:
     stages = deploy_config.cpu_deploy_overlay("base.yaml", [0, 1], stock)["stages"]
     assert "quantization" not in stages[0] and stages[0]["enforce_eager"] is True
     assert stages[1]["dtype"] == "float32"
+    assert "connectors" not in deploy_config.cpu_deploy_overlay("base.yaml", [0, 1], stock)
 
 
 def test_talker_prefill_flops_by_hand() -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -475,6 +476,61 @@ def test_dtype_flag_on_both_roads_and_refused_by_name(
     written = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"][code2wav.stage_id]
     assert written["dtype"] == "float32"
     assert _plain_code2wav_config(tiny_model_dir).model_config.dtype == torch.float32
+
+
+def test_chunk_frames_reach_vllm_omnis_connector_through_the_deploy_config(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """VLLM_OMNI_CODE2WAV_CHUNK_FRAMES lands in the connector's ``codec_chunk_frames`` as vllm-omni's
+    own loader merges the CPU deploy config over its qwen3_tts.yaml, every other connector setting
+    kept; auto: the streaming vocoder's size where it serves, else the file's own. Bad values, and
+    a number beside the fast path off, are refused by name."""
+    import vllm_omni
+    from vllm_omni.config.stage_config import resolve_deploy_yaml
+
+    from omni_cpu_fastpath.serving import deploy_config, stage_settings
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    stock_file = resolve_deploy_yaml(Path(vllm_omni.__file__).parent / "deploy" / "qwen3_tts.yaml")
+    stock = stock_file["connectors"][deploy_config.CODEC_CONNECTOR]
+    assert "codec_chunk_frames" in stock["extra"]  # the setting this flag writes
+
+    def connector() -> dict[str, Any]:
+        return resolve_deploy_yaml(deploy_config.cpu_deploy_config_path())["connectors"][
+            deploy_config.CODEC_CONNECTOR
+        ]
+
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    cases = [
+        ("0", "auto", None),
+        ("1", "auto", stage_settings.STREAMING_CHUNK_FRAMES),
+        ("0", "7", 7),
+        ("1", "40", 40),
+    ]
+    for streaming, flag, want in cases:
+        monkeypatch.setenv("VLLM_OMNI_CODE2WAV_STREAMING", streaming)
+        monkeypatch.setenv("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", flag)
+        assert stage_settings.code2wav_chunk_frames() == want, (streaming, flag)
+        expected = (
+            stock if want is None else {**stock, "extra": {**stock["extra"], "codec_chunk_frames": want}}
+        )
+        assert connector() == expected, (streaming, flag)
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_STREAMING", "1")
+    for bad in ("0", "-4", "ten", "2.5"):
+        monkeypatch.setenv("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", bad)
+        refused = rf"VLLM_OMNI_CODE2WAV_CHUNK_FRAMES='{re.escape(bad)}'.*auto, an integer >= 1"
+        with pytest.raises(envs.FlagError, match=refused):
+            envs.validate_all()
+        with pytest.raises(envs.FlagError, match=refused):
+            deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "0")
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", "12")
+    with pytest.raises(
+        envs.FlagError, match="VLLM_OMNI_CODE2WAV_CHUNK_FRAMES='12'.*VLLM_OMNI_CPU_FASTPATH='0'"
+    ):
+        deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", "auto")
+    assert connector() == stock
 
 
 def _plain_code2wav_config(model: Path) -> Any:

@@ -29,7 +29,7 @@ from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
 
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.serving import commands as serving
-from omni_cpu_fastpath.serving import core_sharing
+from omni_cpu_fastpath.serving import core_sharing, stage_settings
 
 pytestmark = pytest.mark.slow
 
@@ -279,6 +279,17 @@ def test_streaming_request_returns_audio_early(server, tiny_model_dir):
     talker_steps = [ln["ts"] for ln in lines if "model.forward_ms" in ln["values"]]
     assert talker_steps, [sorted(ln["values"]) for ln in lines]
     assert first_audio_at < max(talker_steps), (first_audio_at - sent_from, max(talker_steps) - sent_from)
+    # The streaming vocoder serves, so the deploy config handed vllm-omni its chunk size (auto):
+    # a first frame alone, then chunks of that many frames, the last one shorter.
+    chunk = stage_settings.code2wav_chunk_frames(server.env)
+    assert chunk == stage_settings.STREAMING_CHUNK_FRAMES
+    emitted = [n for ln in lines for n in ln["values"].get("code2wav.frames_emitted", [])]
+    frames = round(
+        speech.audio_s * serving.sample_rate_of(tiny_model_dir) / _samples_per_frame(tiny_model_dir)
+    )
+    assert sum(emitted) == frames, (emitted, frames)
+    assert emitted[0] == 1 and all(0 < n <= chunk for n in emitted), emitted
+    assert all(n == chunk for n in emitted[1:-1]), emitted
 
 
 @pytest.mark.parametrize(

@@ -328,6 +328,7 @@ STOCK_ROW_FLAGS = {
     "VLLM_OMNI_TALKER_DECODE_GEMV": "0",
     "VLLM_OMNI_TALKER_COMPILE": "off",
     "VLLM_OMNI_CODE2WAV_DTYPE": "float32",
+    "VLLM_OMNI_CODE2WAV_CHUNK_FRAMES": "auto",  # vllm-omni's own chunks
 }
 
 

@@ -19,6 +19,7 @@ from .stage_settings import (
     MODEL_RUNNER,
     QWEN3_TTS_STAGES,
     StageSettings,
+    code2wav_chunk_frames,
     cpu_stage_envs,
     kv_space_from_env,
     stage_compiles,
@@ -28,7 +29,10 @@ from .stage_settings import (
 )
 
 # Part of the written file: bump it when the YAML written for the same inputs changes.
-CPU_DEPLOY_VERSION = 4
+CPU_DEPLOY_VERSION = 5
+
+# The connector of vllm-omni's qwen3_tts.yaml that hands the talker's codes to code2wav in chunks.
+CODEC_CONNECTOR = "connector_of_shared_memory"
 
 
 def cpu_deploy_overlay(
@@ -38,7 +42,12 @@ def cpu_deploy_overlay(
     ``environ`` (default: this process's environment)."""
     main_env, spare_env = cpu_stage_envs(cpus, environ)
     stages = [_stage_overlay(s, spare_env if s.spare_core else main_env, environ) for s in QWEN3_TTS_STAGES]
-    return {"base_config": base_config, "model_runner": MODEL_RUNNER, "stages": stages}
+    overlay: dict[str, Any] = {"base_config": base_config, "model_runner": MODEL_RUNNER, "stages": stages}
+    chunk_frames = code2wav_chunk_frames(environ)
+    if chunk_frames is not None:
+        # Deep-merged into vllm-omni's connector: its other settings stay the file's.
+        overlay["connectors"] = {CODEC_CONNECTOR: {"extra": {"codec_chunk_frames": chunk_frames}}}
+    return overlay
 
 
 def _stage_overlay(

@@ -294,6 +294,37 @@ def code2wav_dtype(environ: Mapping[str, str] | None = None) -> str:
     return setting
 
 
+# Frames per code2wav chunk where the streaming vocoder serves. It decodes a chunk's new frames
+# only, so a short chunk costs it little more than the codec transformer's window run again; and
+# the audio of a request's last frames, decoded after its last talker step, waits for fewer.
+STREAMING_CHUNK_FRAMES = 10
+
+
+def code2wav_chunk_frames(environ: Mapping[str, str] | None = None) -> int | None:
+    """Frames per code2wav chunk after a request's first that the CPU deploy config writes
+    (vllm-omni's ``codec_chunk_frames``), or None to keep its deploy file's own:
+    VLLM_OMNI_CODE2WAV_CHUNK_FRAMES, and with ``auto`` :data:`STREAMING_CHUNK_FRAMES` where the
+    streaming vocoder serves (VLLM_OMNI_CODE2WAV_STREAMING with the fast path on).
+
+    Part of the fast path: beside VLLM_OMNI_CPU_FASTPATH off (the stock stages at the deploy file's
+    own chunks) a number is refused, naming both variables.
+    """
+    environ = os.environ if environ is None else environ
+    setting = envs.get("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", environ)
+    if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
+        if isinstance(setting, int):
+            master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
+            raise envs.FlagError(
+                f"VLLM_OMNI_CODE2WAV_CHUNK_FRAMES={environ['VLLM_OMNI_CODE2WAV_CHUNK_FRAMES']!r} needs the "
+                f"fast path, but {master} turns it off (the stock stages keep the deploy file's chunks): "
+                "set VLLM_OMNI_CODE2WAV_CHUNK_FRAMES=auto (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
+            )
+        return None
+    if isinstance(setting, int):
+        return setting
+    return STREAMING_CHUNK_FRAMES if envs.get("VLLM_OMNI_CODE2WAV_STREAMING", environ) else None
+
+
 def fp32_prefill(environ: Mapping[str, str] | None = None) -> bool:
     """Whether VLLM_OMNI_TALKER_FP32_PREFILL asks for it here (``auto``: this CPU lacks native bf16)."""
     setting = envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ)
