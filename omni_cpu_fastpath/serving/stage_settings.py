@@ -126,6 +126,16 @@ def omni_kv_bytes(model_config: Any) -> int:
     return DEFAULT_OMNI_KV_BYTES if settings is None else settings.kv_cache_memory_bytes
 
 
+def _needs_fast_path(name: str, stock: str, value: str, environ: Mapping[str, str]) -> envs.FlagError:
+    """The error for flag ``name`` set beside VLLM_OMNI_CPU_FASTPATH off: ``stock`` says what serves
+    instead, ``value`` is the flag's setting that asks for nothing beyond it."""
+    master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
+    return envs.FlagError(
+        f"{name}={envs.raw(name, environ)!r} needs the fast path, but {master} turns it off ({stock}): "
+        f"set {name}={value} (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
+    )
+
+
 def stage_quantization(
     settings: StageSettings | None, environ: Mapping[str, str] | None = None
 ) -> str | None:
@@ -144,27 +154,14 @@ def stage_quantization(
         return None
     environ = os.environ if environ is None else environ
     scheme = talker_int8_scheme(environ)
-    master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
     if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
+        stock = "the stock talker serves"
         if scheme != "off":
-            raise envs.FlagError(
-                f"VLLM_OMNI_TALKER_INT8={environ['VLLM_OMNI_TALKER_INT8']!r} needs the fast path, but "
-                f"{master} turns it off (the stock, "
-                "float talker serves): set VLLM_OMNI_TALKER_INT8=off (or unset it), or "
-                "VLLM_OMNI_CPU_FASTPATH=1"
-            )
+            raise _needs_fast_path("VLLM_OMNI_TALKER_INT8", "the stock, float talker serves", "off", environ)
         if envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) == "on":
-            raise envs.FlagError(
-                "VLLM_OMNI_TALKER_FP32_PREFILL='on' needs the fast path, but "
-                f"{master} turns it off (the stock "
-                "talker serves): set VLLM_OMNI_TALKER_FP32_PREFILL=auto or off, or VLLM_OMNI_CPU_FASTPATH=1"
-            )
+            raise _needs_fast_path("VLLM_OMNI_TALKER_FP32_PREFILL", stock, "auto", environ)
         if envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ):
-            raise envs.FlagError(
-                f"VLLM_OMNI_TALKER_DECODE_GEMV={envs.raw('VLLM_OMNI_TALKER_DECODE_GEMV', environ)!r} "
-                f"needs the fast path, but {master} turns it off (the stock talker serves): set "
-                "VLLM_OMNI_TALKER_DECODE_GEMV=0 (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
-            )
+            raise _needs_fast_path("VLLM_OMNI_TALKER_DECODE_GEMV", stock, "0", environ)
         return None
     if scheme != "off":
         stage_compiles(settings, environ)  # refuses the schemes a compiled talker cannot serve
@@ -225,11 +222,7 @@ def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | 
         return False
     asked = f"VLLM_OMNI_TALKER_COMPILE={envs.raw('VLLM_OMNI_TALKER_COMPILE', environ)!r}"
     if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
-        master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
-        raise envs.FlagError(
-            f"{asked} needs the fast path, but {master} turns it off (the stock talker serves "
-            "eager): set VLLM_OMNI_TALKER_COMPILE=off (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
-        )
+        raise _needs_fast_path("VLLM_OMNI_TALKER_COMPILE", "the stock talker serves eager", "off", environ)
     branching = _branching_linears(environ)
     if branching:
         name = branching[0]
@@ -282,12 +275,8 @@ def code2wav_dtype(environ: Mapping[str, str] | None = None) -> str:
     setting = envs.get("VLLM_OMNI_CODE2WAV_DTYPE", environ)
     if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
         if setting != "float32" and environ.get("VLLM_OMNI_CODE2WAV_DTYPE") is not None:
-            master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
-            raise envs.FlagError(
-                f"VLLM_OMNI_CODE2WAV_DTYPE={environ['VLLM_OMNI_CODE2WAV_DTYPE']!r} needs the fast path, "
-                f"but {master} turns it off (the stock code2wav serves at the stage's dtype): set "
-                "VLLM_OMNI_CODE2WAV_DTYPE=float32 (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
-            )
+            stock = "the stock code2wav serves at the stage's dtype"
+            raise _needs_fast_path("VLLM_OMNI_CODE2WAV_DTYPE", stock, "float32", environ)
         return "float32"
     if setting == "auto":
         return "bfloat16" if cpu_has_native_bf16() else "float32"
@@ -313,12 +302,8 @@ def code2wav_chunk_frames(environ: Mapping[str, str] | None = None) -> int | Non
     setting = envs.get("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", environ)
     if not envs.get("VLLM_OMNI_CPU_FASTPATH", environ):
         if isinstance(setting, int):
-            master = f"VLLM_OMNI_CPU_FASTPATH={envs.raw('VLLM_OMNI_CPU_FASTPATH', environ)!r}"
-            raise envs.FlagError(
-                f"VLLM_OMNI_CODE2WAV_CHUNK_FRAMES={environ['VLLM_OMNI_CODE2WAV_CHUNK_FRAMES']!r} needs the "
-                f"fast path, but {master} turns it off (the stock stages keep the deploy file's chunks): "
-                "set VLLM_OMNI_CODE2WAV_CHUNK_FRAMES=auto (or unset it), or VLLM_OMNI_CPU_FASTPATH=1"
-            )
+            stock = "the stock stages keep the deploy file's chunks"
+            raise _needs_fast_path("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", stock, "auto", environ)
         return None
     if isinstance(setting, int):
         return setting
