@@ -275,6 +275,15 @@ FLAGS: dict[str, Flag] = {
             choices=("auto", "uni", "mp"),
         ),
         Flag(
+            "VLLM_OMNI_CODE2WAV_DEPLOY_CHUNK_FRAMES",
+            "opt-int",
+            "",
+            "Set for the code2wav stage by the CPU deploy config, not by hand: the codec_chunk_frames "
+            "it wrote (empty: the deploy file's own), so that code2wav can warn where its chunks do "
+            "not suit the decoder that serves them.",
+            minimum=1,
+        ),
+        Flag(
             "VLLM_OMNI_SHARED_CORES",
             "bool",
             "0",

@@ -119,15 +119,24 @@ def _stream(decoder: Any, codes: torch.Tensor, chunks: list[int]) -> torch.Tenso
 
 def test_fast_stage_serves_the_fast_modules(stages: dict[str, Any]) -> None:
     from vllm_omni.model_executor.models.common.snake_activation import SnakeBeta
+    from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
+        Qwen3TTSTokenizerV2CausalConvNet,
+    )
 
-    from omni_cpu_fastpath.qwen3_tts.code2wav import GemmCausalTransConv, InplaceSnakeBeta
+    from omni_cpu_fastpath.qwen3_tts.code2wav import GemmCausalTransConv, GemmConv1d, InplaceSnakeBeta
 
     fast, off = stages["fast"], stages["off"]
     assert fast.served.startswith("fast decoder (") and "GemmCausalTransConv" in fast.served
+    assert "GemmConv1d" in fast.served
     assert any(isinstance(m, InplaceSnakeBeta) for m in fast.decoder.modules())
     assert any(isinstance(m, GemmCausalTransConv) for m in fast.decoder.modules())
+    # Every ungrouped causal convolution; the ConvNeXt blocks' depthwise ones stay stock.
+    convs = [m.conv for m in fast.decoder.modules() if type(m) is Qwen3TTSTokenizerV2CausalConvNet]
+    assert {type(m).__name__ for m in convs if m.groups == 1} == {"GemmConv1d"}
+    assert {type(m).__name__ for m in convs if m.groups > 1} == {"Conv1d"}
     assert off.served == "stock decoder (VLLM_OMNI_CODE2WAV_FAST off)"
-    assert not any(isinstance(m, (InplaceSnakeBeta, GemmCausalTransConv)) for m in off.decoder.modules())
+    kinds = (InplaceSnakeBeta, GemmCausalTransConv, GemmConv1d)
+    assert not any(isinstance(m, kinds) for m in off.decoder.modules())
     assert any(type(m) is SnakeBeta for m in off.decoder.modules())
     # Parameter names (what loading goes by) are the stock ones, streaming or not.
     names = {n for n, _ in stages["stock"].decoder.named_parameters()}
@@ -156,10 +165,17 @@ def test_gemm_transposed_conv_matches_onednn() -> None:
         Qwen3TTSTokenizerV2CausalTransConvNet as Stock,
     )
 
-    from omni_cpu_fastpath.qwen3_tts.code2wav import GemmCausalTransConv
+    from omni_cpu_fastpath.qwen3_tts.code2wav import SHORT_INPUT_COLUMNS, GemmCausalTransConv
 
     torch.manual_seed(0)
-    for c_in, c_out, kernel, stride, length in ((16, 8, 10, 5, 37), (12, 12, 2, 2, 1), (6, 3, 6, 3, 4)):
+    long = SHORT_INPUT_COLUMNS + 7  # the per-phase products; shorter inputs take one product
+    for c_in, c_out, kernel, stride, length in (
+        (16, 8, 10, 5, 37),
+        (12, 12, 2, 2, 1),
+        (6, 3, 6, 3, 4),
+        (16, 8, 10, 5, long),
+        (6, 3, 6, 3, long),
+    ):
         stock = Stock(c_in, c_out, kernel, stride).eval()
         fast = GemmCausalTransConv(stock)
         x = torch.randn(2, c_in, length)
@@ -167,6 +183,38 @@ def test_gemm_transposed_conv_matches_onednn() -> None:
             want, got = stock(x), fast(x)
         assert got.shape == want.shape == (2, c_out, length * stride)
         assert snr_db(want, got) >= 100.0
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_gemm_conv_matches_conv1d(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A short input as one product of the unfolded input (through oneDNN's matmul, or torch's
+    where oneDNN is missing) against torch's Conv1d; a long one is Conv1d's own forward, bit for bit."""
+    from torch import nn
+
+    from omni_cpu_fastpath.qwen3_tts import code2wav
+    from omni_cpu_fastpath.qwen3_tts.code2wav import SHORT_INPUT_COLUMNS, GemmConv1d
+
+    monkeypatch.setattr(code2wav, "_ONEDNN_LINEAR", {torch.float32: onednn})
+    torch.manual_seed(0)
+    shapes = ((24, 40, 7, 1, True), (16, 16, 7, 3, True), (8, 12, 1, 1, False))
+    for c_in, c_out, kernel, dilation, bias in shapes:
+        stock = nn.Conv1d(c_in, c_out, kernel, dilation=dilation, bias=bias).eval()
+        fast = GemmConv1d.from_stock(stock)
+        assert fast.weight is stock.weight and fast.bias is stock.bias
+        span = (kernel - 1) * dilation + 1
+        for columns in (1, 4, SHORT_INPUT_COLUMNS, SHORT_INPUT_COLUMNS + 1):
+            x = torch.randn(2, c_in, columns + span - 1)
+            with torch.inference_mode():
+                want, got = stock(x), fast(x)
+            assert got.shape == want.shape == (2, c_out, columns)
+            if columns > SHORT_INPUT_COLUMNS:
+                assert torch.equal(got, want)
+            else:
+                assert snr_db(want, got) >= 100.0, (c_in, c_out, kernel, dilation, columns)
+    with pytest.raises(ValueError, match="not an ungrouped stride-1 unpadded convolution"):
+        GemmConv1d.from_stock(nn.Conv1d(8, 8, 7, groups=8))
+    with pytest.raises(ValueError, match="not an ungrouped stride-1 unpadded convolution"):
+        GemmConv1d.from_stock(nn.Conv1d(8, 8, 7, padding=3))
 
 
 def test_stateless_stage_forward_matches_stock(stages: dict[str, Any]) -> None:
@@ -390,6 +438,45 @@ def test_streaming_refuses_a_vocoder_it_does_not_know(stages: dict[str, Any]) ->
         stage.decoder.enable_streaming()
 
 
+def test_stock_chunks_fallback_warns_where_the_deploy_config_chunks_are_short(
+    stages: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the streaming vocoder cannot serve, the stock decoder takes the chunks that the CPU
+    deploy config sized for it: the served status says what they cost and what to set, and only
+    where they are shorter than vllm-omni's own."""
+    import copy
+
+    from torch import nn
+    from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz import modeling_qwen3_tts_tokenizer_v2
+
+    from omni_cpu_fastpath.qwen3_tts.code2wav_stream import StreamingCodecDecoder
+    from omni_cpu_fastpath.serving.deploy_config import DEPLOY_CHUNK_FRAMES_ENV
+
+    context = modeling_qwen3_tts_tokenizer_v2._DOWNSTREAM_CONTEXT_FRAME
+    stage = copy.deepcopy(stages["off"])
+    stage._streaming = True
+    stage.decoder = StreamingCodecDecoder._from_config(stage.decoder.config)
+    stage.decoder.decoder[-2] = nn.Identity()
+    monkeypatch.setenv("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", "auto")
+    for told, warned in (("10", True), ("24", True), ("25", False), ("40", False), (None, False)):
+        if told is None:
+            monkeypatch.delenv(DEPLOY_CHUNK_FRAMES_ENV, raising=False)
+        else:
+            monkeypatch.setenv(DEPLOY_CHUNK_FRAMES_ENV, told)
+        served = stage._enable_streaming()
+        assert served.startswith("stock (enable_streaming failed: StreamingUnsupported"), told
+        if warned:
+            assert f"hands code2wav {told}-frame chunks (VLLM_OMNI_CODE2WAV_CHUNK_FRAMES=auto)" in served
+            assert f"({int(told) + context} frames for {told} new)" in served
+            assert "set VLLM_OMNI_CODE2WAV_CHUNK_FRAMES=25" in served
+        else:
+            assert "chunks (" not in served, told
+    # Where the streaming vocoder serves, short chunks are what it was given them for.
+    monkeypatch.setenv(DEPLOY_CHUNK_FRAMES_ENV, "10")
+    served = copy.deepcopy(stages["stream"])._enable_streaming()
+    assert served.startswith("streaming vocoder (") and "chunks (" not in served
+
+
 def test_bf16_decoder_is_vllm_omnis_stage_at_bf16(stages: dict[str, Any]) -> None:
     """With VLLM_OMNI_CODE2WAV_DTYPE=bfloat16 (and the fast modules off) our stage computes what
     vllm-omni's own stage computes at bfloat16 (its GPU deploy config's dtype): bit for bit, the
@@ -495,10 +582,17 @@ def test_chunk_frames_reach_vllm_omnis_connector_through_the_deploy_config(
     stock = stock_file["connectors"][deploy_config.CODEC_CONNECTOR]
     assert "codec_chunk_frames" in stock["extra"]  # the setting this flag writes
 
+    assert stock["extra"]["codec_chunk_frames"] == stage_settings.STOCK_CHUNK_FRAMES
+
     def connector() -> dict[str, Any]:
         return resolve_deploy_yaml(deploy_config.cpu_deploy_config_path())["connectors"][
             deploy_config.CODEC_CONNECTOR
         ]
+
+    def code2wav_env() -> dict[str, str]:
+        stages = resolve_deploy_yaml(deploy_config.cpu_deploy_config_path())["stages"]
+        (code2wav,) = [s for s in stages if s["stage_id"] == 1]
+        return code2wav.get("env") or {}
 
     monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
     cases = [
@@ -515,6 +609,9 @@ def test_chunk_frames_reach_vllm_omnis_connector_through_the_deploy_config(
             stock if want is None else {**stock, "extra": {**stock["extra"], "codec_chunk_frames": want}}
         )
         assert connector() == expected, (streaming, flag)
+        # The code2wav stage is told the chunk size (to warn where its decoder does not suit it).
+        told = code2wav_env().get(deploy_config.DEPLOY_CHUNK_FRAMES_ENV)
+        assert told == (None if want is None else str(want)), (streaming, flag)
     monkeypatch.setenv("VLLM_OMNI_CODE2WAV_STREAMING", "1")
     for bad in ("0", "-4", "ten", "2.5"):
         monkeypatch.setenv("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", bad)

@@ -15,8 +15,12 @@ per-request decoder state, chunking) is the stock one; what changes:
   ``ConvTranspose1d`` whose kernel is a multiple of its stride becomes :class:`GemmCausalTransConv`
   (one matrix product per kernel phase; fp32 rounding differs from oneDNN's deconvolution, far
   below audibility). oneDNN's transposed convolutions run well below its forward convolutions'
-  speed on AVX2 cores; the products run at GEMM speed. Parameter names are kept, so loading is
-  unchanged.
+  speed on AVX2 cores; the products run at GEMM speed. Every ungrouped stride-1 ``Conv1d`` becomes
+  :class:`GemmConv1d`. Both run a short input (a chunk's low-rate layers, where a few output
+  columns meet megabytes of weights) as one product of the unfolded input with the whole weight,
+  through oneDNN's matmul (:func:`short_linear`), which streams those weights near the memory's
+  speed where torch's convolution and its GEMM for a few columns do not. Parameter names are
+  kept, so loading is unchanged.
 
 - VLLM_OMNI_CODE2WAV_DTYPE (float32 by default) is the stage's dtype (the deploy config and the
   platform hook set it), so the stock decoder loads and computes in it; recorded here.
@@ -34,19 +38,25 @@ module in place, with the reason.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from vllm_omni.model_executor.models.common.snake_activation import SnakeBeta
 from vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav import Qwen3TTSCode2Wav
+from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz import (
+    modeling_qwen3_tts_tokenizer_v2 as stock_codec,
+)
 from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
+    Qwen3TTSTokenizerV2CausalConvNet,
     Qwen3TTSTokenizerV2CausalTransConvNet,
 )
 
 from omni_cpu_fastpath import envs, step_stats
 from omni_cpu_fastpath.errors import describe
-from omni_cpu_fastpath.serving.stage_settings import cpu_has_native_bf16
+from omni_cpu_fastpath.serving.stage_settings import STOCK_CHUNK_FRAMES, cpu_has_native_bf16
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
@@ -84,12 +94,90 @@ class InplaceSnakeBeta(SnakeBeta):
         return t.add_(hidden_states)
 
 
+# Output columns up to which a convolution runs as one matrix product of its unfolded input
+# (:func:`short_linear`); beyond, the work per weight is large enough for torch's own kernels.
+SHORT_INPUT_COLUMNS = 256
+
+_ONEDNN_LINEAR: dict[torch.dtype, bool] = {}
+
+
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``) multiplies ``dtype`` here;
+    probed once per dtype (its bf16 road needs AVX-512 where torch's product emulates it)."""
+    if dtype not in _ONEDNN_LINEAR:
+        try:
+            ok = torch.backends.mkldnn.is_available()
+            if ok:
+                x, w = torch.ones(2, 8, dtype=dtype), torch.ones(4, 8, dtype=dtype)
+                got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+                ok = torch.equal(got, F.linear(x, w))
+        except Exception as exc:  # noqa: BLE001 - any failure means: torch's own product
+            logger.info(
+                "omni-cpu-fastpath: no oneDNN matmul in %s (%s); torch's product serves", dtype, describe(exc)
+            )
+            ok = False
+        _ONEDNN_LINEAR[dtype] = bool(ok)
+    return _ONEDNN_LINEAR[dtype]
+
+
+def short_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for a few rows of ``x`` and a large ``weight``: oneDNN's matmul, which
+    reads the weights once near the memory's speed, where torch's GEMM (MKL) packs them for a few
+    columns at a fraction of it; torch's product where oneDNN does not serve the dtype."""
+    if onednn_linear_available(x.dtype):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
+class GemmConv1d(nn.Conv1d):
+    """An ungrouped stride-1 unpadded ``Conv1d`` (the causal modules pad before it) that runs a short
+    input as :func:`short_linear` over its unfolded input: output column ``t`` is
+    ``W.reshape(C_out, C_in * k) @ x[:, t : t + span : dilation].flatten()``. Longer inputs take
+    ``Conv1d``'s own forward. Shares the stock module's parameters, so their names do not change."""
+
+    @classmethod
+    def from_stock(cls, conv: nn.Conv1d) -> GemmConv1d:
+        if (
+            type(conv) is not nn.Conv1d
+            or conv.groups != 1
+            or conv.stride != (1,)
+            or conv.padding != (0,)
+            or conv.padding_mode != "zeros"
+        ):
+            raise ValueError(f"not an ungrouped stride-1 unpadded convolution: {conv}")
+        new = cls(
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,
+            dilation=conv.dilation,
+            bias=conv.bias is not None,
+            device="meta",
+        )
+        new.weight, new.bias = conv.weight, conv.bias  # shared, so loaded values stay
+        return new
+
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        (kernel,), (dilation,) = self.kernel_size, self.dilation
+        span = (kernel - 1) * dilation + 1
+        batch, c_in, length = hidden_state.shape
+        columns = length - span + 1
+        if columns > SHORT_INPUT_COLUMNS or columns < 1:
+            return super().forward(hidden_state)
+        # (B, C_in, T, k) -> (B * T, C_in * k), in the weight's (C_in, k) order.
+        unfolded = hidden_state.unfold(-1, span, 1)[..., ::dilation]
+        rows = unfolded.permute(0, 2, 1, 3).reshape(batch * columns, c_in * kernel)
+        out = short_linear(rows, self.weight.reshape(self.out_channels, c_in * kernel), self.bias)
+        return out.view(batch, columns, self.out_channels).transpose(1, 2).contiguous()
+
+
 class GemmCausalTransConv(nn.Module):
     """A causal ``ConvTranspose1d`` (kernel ``m * stride``, right-trimmed to ``T * stride``) as GEMMs.
 
     Output sample ``t * s + r`` is ``sum_j W[:, :, j * s + r]^T x[t - j]`` for ``j < m``: one
     ``(C_out * s, C_in) @ (C_in, T)`` product per ``j`` on the input shifted by ``j``, then one
-    interleave. Keeps the stock module as ``conv`` so the parameter names do not change.
+    interleave. A short input (at most :data:`SHORT_INPUT_COLUMNS` columns) is instead one
+    :func:`short_linear` of its ``m`` shifted copies, stacked, with the phases side by side.
+    Keeps the stock module as ``conv`` so the parameter names do not change.
     """
 
     def __init__(self, stock: Qwen3TTSTokenizerV2CausalTransConvNet) -> None:
@@ -124,17 +212,26 @@ class GemmCausalTransConv(nn.Module):
         w = self.conv.weight.detach()  # (C_in, C_out, m * s)
         c_in, c_out, _ = w.shape
         s = self.stride
-        # Row co * s + r of phase j is W[:, co, j * s + r].
+        # Row co * s + r of phase j is W[:, co, j * s + r]; the phases side by side, (C_out * s, m * C_in),
+        # and each phase a view of its columns (the products take the row stride as it is).
         phases = [
             w[:, :, j * s : (j + 1) * s].permute(1, 2, 0).reshape(c_out * s, c_in) for j in range(self.taps)
         ]
-        self.register_buffer("_phases", torch.stack(phases).contiguous(), persistent=False)
+        self.register_buffer("_wide", torch.cat(phases, dim=1).contiguous(), persistent=False)
+        self._phases = [self._wide[:, j * c_in : (j + 1) * c_in] for j in range(self.taps)]
         bias = self.conv.bias
         self.register_buffer(
             "_bias_rows",
-            None if bias is None else bias.detach().repeat_interleave(s)[:, None].contiguous(),
+            None if bias is None else bias.detach().repeat_interleave(s).contiguous(),
             persistent=False,
         )
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GemmCausalTransConv:
+        # A dtype or device change replaces _wide; the phase views follow it.
+        super()._apply(fn, recurse)
+        c_in = self._wide.shape[1] // self.taps
+        self._phases = [self._wide[:, j * c_in : (j + 1) * c_in] for j in range(self.taps)]
+        return self
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
         stream = self.stream
@@ -145,14 +242,17 @@ class GemmCausalTransConv(nn.Module):
             stream.keep(self.slot, inputs, self.taps - 1)
         batch, _, length = hidden_state.shape
         s, c_out = self.stride, self.out_channels
+        if length <= SHORT_INPUT_COLUMNS:
+            return self._short(hidden_state if tail is None else inputs, tail is not None)
         out = torch.empty(batch, c_out * s, length, dtype=hidden_state.dtype, device=hidden_state.device)
+        bias = None if self._bias_rows is None else self._bias_rows[:, None]
         for b in range(batch):
             x = hidden_state[b]
             y = out[b]
-            if self._bias_rows is None:
+            if bias is None:
                 torch.mm(self._phases[0], x, out=y)
             else:
-                torch.addmm(self._bias_rows, self._phases[0], x, out=y)
+                torch.addmm(bias, self._phases[0], x, out=y)
             if tail is not None:
                 # Phase j of column t reads input t - j, which is in the tail for t < j.
                 xf, h = inputs[b], self.taps - 1
@@ -164,6 +264,21 @@ class GemmCausalTransConv(nn.Module):
                     y[:, j:].addmm_(self._phases[j], x[:, : length - j])
         # (B, C_out, s, T) -> (B, C_out, T, s): sample t * s + r.
         return out.view(batch, c_out, s, length).transpose(2, 3).reshape(batch, c_out, length * s)
+
+    def _short(self, inputs: torch.Tensor, has_tail: bool) -> torch.Tensor:
+        """The whole product at once: row ``t`` holds ``x[t], x[t - 1], ..., x[t - m + 1]`` (zeros
+        before the first input where no tail precedes it)."""
+        h = self.taps - 1
+        if not has_tail:
+            inputs = F.pad(inputs, (h, 0))
+        batch, c_in, padded = inputs.shape
+        length = padded - h
+        shifted = torch.cat([inputs[:, :, h - j : h - j + length] for j in range(self.taps)], dim=1)
+        rows = shifted.transpose(1, 2).reshape(batch * length, self.taps * c_in)
+        out = short_linear(rows, self._wide, self._bias_rows)  # (B * T, C_out * s)
+        # (B, T, C_out, s) -> (B, C_out, T, s): sample t * s + r.
+        s, c_out = self.stride, self.out_channels
+        return out.view(batch, length, c_out, s).permute(0, 2, 1, 3).reshape(batch, c_out, length * s)
 
 
 def make_fast_decoder(decoder: nn.Module) -> list[str]:
@@ -178,6 +293,11 @@ def make_fast_decoder(decoder: nn.Module) -> list[str]:
             new: nn.Module | None = None
             if type(child) is SnakeBeta:
                 new = InplaceSnakeBeta.from_stock(child)
+            elif type(child) is nn.Conv1d and type(parent) is Qwen3TTSTokenizerV2CausalConvNet:
+                try:
+                    new = GemmConv1d.from_stock(child)
+                except ValueError as exc:
+                    logger.debug("omni-cpu-fastpath: %s stays stock: %s", name, exc)
             elif type(child) is Qwen3TTSTokenizerV2CausalTransConvNet:
                 try:
                     new = GemmCausalTransConv(child)
@@ -195,6 +315,23 @@ def _frame_rate_module(decoder: nn.Module) -> nn.Module:
     if upsample is not None and len(upsample) > 0:
         return upsample[0][0]
     return decoder.decoder[0]
+
+
+def short_chunks_warning(environ: Mapping[str, str] | None = None) -> str | None:
+    """Where the stock decoder serves the chunks: what the CPU deploy config's chunks, if shorter than
+    vllm-omni's own, cost it (it decodes left context again with each), and the setting that
+    avoids it; None where they are not shorter or no deploy config of ours set them."""
+    frames = envs.get("VLLM_OMNI_CODE2WAV_DEPLOY_CHUNK_FRAMES", environ)
+    if not isinstance(frames, int) or frames >= STOCK_CHUNK_FRAMES:
+        return None
+    context = int(stock_codec._DOWNSTREAM_CONTEXT_FRAME)
+    asked = envs.raw("VLLM_OMNI_CODE2WAV_CHUNK_FRAMES", environ)
+    return (
+        f"the CPU deploy config hands code2wav {frames}-frame chunks (VLLM_OMNI_CODE2WAV_CHUNK_FRAMES="
+        f"{asked}), sized for the streaming vocoder, and the stock decoder decodes {context} frames of "
+        f"left context again with each ({frames + context} frames for {frames} new): set "
+        f"VLLM_OMNI_CODE2WAV_CHUNK_FRAMES={STOCK_CHUNK_FRAMES} (vllm-omni's) for this server"
+    )
 
 
 class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
@@ -276,6 +413,9 @@ class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
             return self.decoder.enable_streaming()
         except Exception as exc:  # nothing swapped: the stock chunks serve
             served = f"stock (enable_streaming failed: {describe(exc)})"
+            short = short_chunks_warning()
+            if short:
+                served += f"; {short}"
             logger.warning("omni-cpu-fastpath: code2wav chunks: %s", served)
             return served
 

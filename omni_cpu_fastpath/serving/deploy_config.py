@@ -29,10 +29,12 @@ from .stage_settings import (
 )
 
 # Part of the written file: bump it when the YAML written for the same inputs changes.
-CPU_DEPLOY_VERSION = 5
+CPU_DEPLOY_VERSION = 6
 
 # The connector of vllm-omni's qwen3_tts.yaml that hands the talker's codes to code2wav in chunks.
 CODEC_CONNECTOR = "connector_of_shared_memory"
+# Where the code2wav stage's environment carries the chunk size written into that connector.
+DEPLOY_CHUNK_FRAMES_ENV = "VLLM_OMNI_CODE2WAV_DEPLOY_CHUNK_FRAMES"
 
 
 def cpu_deploy_overlay(
@@ -41,9 +43,12 @@ def cpu_deploy_overlay(
     """The CPU overlay on vllm-omni's qwen3_tts.yaml at ``base_config``, for a server started with
     ``environ`` (default: this process's environment)."""
     main_env, spare_env = cpu_stage_envs(cpus, environ)
+    chunk_frames = code2wav_chunk_frames(environ)
+    if chunk_frames is not None:
+        # code2wav learns what the talker will hand it (it warns where its decoder does not suit).
+        spare_env = {**spare_env, DEPLOY_CHUNK_FRAMES_ENV: str(chunk_frames)}
     stages = [_stage_overlay(s, spare_env if s.spare_core else main_env, environ) for s in QWEN3_TTS_STAGES]
     overlay: dict[str, Any] = {"base_config": base_config, "model_runner": MODEL_RUNNER, "stages": stages}
-    chunk_frames = code2wav_chunk_frames(environ)
     if chunk_frames is not None:
         # Deep-merged into vllm-omni's connector: its other settings stay the file's.
         overlay["connectors"] = {CODEC_CONNECTOR: {"extra": {"codec_chunk_frames": chunk_frames}}}

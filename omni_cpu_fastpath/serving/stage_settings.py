@@ -287,6 +287,9 @@ def code2wav_dtype(environ: Mapping[str, str] | None = None) -> str:
 # only, so a short chunk costs it little more than the codec transformer's window run again; and
 # the audio of a request's last frames, decoded after its last talker step, waits for fewer.
 STREAMING_CHUNK_FRAMES = 10
+# vllm-omni's own frames per chunk (codec_chunk_frames of its qwen3_tts.yaml), which its decoder's
+# left context is sized against.
+STOCK_CHUNK_FRAMES = 25
 
 
 def code2wav_chunk_frames(environ: Mapping[str, str] | None = None) -> int | None:
