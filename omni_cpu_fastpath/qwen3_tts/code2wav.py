@@ -282,7 +282,8 @@ class GemmCausalTransConv(nn.Module):
 
 
 def make_fast_decoder(decoder: nn.Module) -> list[str]:
-    """Swap the decoder's SnakeBeta and causal transposed convolutions for the fast modules, in place.
+    """Swap the decoder's SnakeBeta, the convolutions of its causal convolutions and its causal
+    transposed convolutions for the fast modules, in place.
 
     Returns what was swapped, one entry per kind (``"InplaceSnakeBeta x29"``); a module that
     cannot be swapped stays stock.
