@@ -218,7 +218,7 @@ class GemmCausalTransConv(nn.Module):
             w[:, :, j * s : (j + 1) * s].permute(1, 2, 0).reshape(c_out * s, c_in) for j in range(self.taps)
         ]
         self.register_buffer("_wide", torch.cat(phases, dim=1).contiguous(), persistent=False)
-        self._phases = [self._wide[:, j * c_in : (j + 1) * c_in] for j in range(self.taps)]
+        self._view_phases()
         bias = self.conv.bias
         self.register_buffer(
             "_bias_rows",
@@ -226,11 +226,14 @@ class GemmCausalTransConv(nn.Module):
             persistent=False,
         )
 
+    def _view_phases(self) -> None:
+        c_in = self._wide.shape[1] // self.taps
+        self._phases = [self._wide[:, j * c_in : (j + 1) * c_in] for j in range(self.taps)]
+
     def _apply(self, fn: Any, recurse: bool = True) -> GemmCausalTransConv:
         # A dtype or device change replaces _wide; the phase views follow it.
         super()._apply(fn, recurse)
-        c_in = self._wide.shape[1] // self.taps
-        self._phases = [self._wide[:, j * c_in : (j + 1) * c_in] for j in range(self.taps)]
+        self._view_phases()
         return self
 
     def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
