@@ -258,6 +258,36 @@ __attribute__((target(AVX512BF16))) static inline void widen64_bf16(const __m512
     *b = _mm512_loadu_si512((const uint16_t *)w + 32);
 }
 
+/* The sum of a vector's 16 floats in one fixed tree: upper 8 + lower 8, then upper 4 + lower 4,
+ * then lanes {0, 1} + {2, 3}, then lane 0 + lane 1 (the tree of GCC's and clang's
+ * _mm512_reduce_add_ps), written out so that hsum16x8 can give the same bits for eight at once. */
+__attribute__((target(AVX512))) static inline float hsum16(__m512 v) {
+    __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    __m256 t8 = _mm256_add_ps(hi, _mm512_castps512_ps256(v));
+    __m128 t4 = _mm_add_ps(_mm256_extractf128_ps(t8, 1), _mm256_castps256_ps128(t8));
+    __m128 t2 = _mm_add_ps(t4, _mm_movehl_ps(t4, t4));
+    return _mm_cvtss_f32(_mm_add_ss(t2, _mm_shuffle_ps(t2, t2, 1)));
+}
+
+/* hsum16 of v[0..7] into out[0..7], each step of the tree done for several vectors in one
+ * instruction (the pairings are hsum16's, so are the bits), where eight separate trees would
+ * spend more instructions than a short dot product's own loop. */
+__attribute__((target(AVX512))) static inline void hsum16x8(const __m512 v[8], float out[8]) {
+    __m512 t8[4], t4[2];
+    for (int p = 0; p < 4; p++) /* [v(2p) 8 sums | v(2p+1) 8 sums] */
+        t8[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int q = 0; q < 2; q++) /* 128-bit lane j: v(4q+j)'s 4 sums */
+        t4[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t8[2 * q], t8[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(t8[2 * q], t8[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane j: v(j)'s 2 sums, then v(4+j)'s */
+    __m512 t2 = _mm512_add_ps(_mm512_shuffle_ps(t4[0], t4[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                              _mm512_shuffle_ps(t4[0], t4[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 t1 = _mm512_add_ps(t2, _mm512_permute_ps(t2, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 0, 0, 0, 0, 0, 0, 0, 0);
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, t1)));
+}
+
 /* One output channel for R rows of bf16 x: blocks of 64 weights into two accumulators per row,
  * the last k % 64 one by one; with group scales gs, each group's sum times its scale into a third. */
 #define DEFINE_BF16DOT(R, KIND, WSIZE)                                                               \
@@ -284,7 +314,7 @@ __attribute__((target(AVX512BF16))) static inline void widen64_bf16(const __m512
             }                                                                                        \
         }                                                                                            \
         for (int m = 0; m < R; m++) {                                                                \
-            float s = _mm512_reduce_add_ps(c[m]);                                                    \
+            float s = hsum16(c[m]);                                                                  \
             for (Py_ssize_t j = kb; j < k; j++) s += load_##KIND(w, j) * bf16_to_float(x[m * k + j]); \
             acc[m] = s;                                                                              \
         }                                                                                            \
@@ -325,7 +355,7 @@ __attribute__((target(AVX512BF16))) static inline void dequantize64(const int8_t
             dequantize64((const int8_t *)w + i, _mm512_set1_ps(bf16_to_float(gs[i / group])), &w0, &w1); \
             dp_rows(R, a, b, w0, w1, x, k, i);                                                       \
         }                                                                                            \
-        for (int m = 0; m < R; m++) acc[m] = _mm512_reduce_add_ps(_mm512_add_ps(a[m], b[m]));        \
+        for (int m = 0; m < R; m++) acc[m] = hsum16(_mm512_add_ps(a[m], b[m]));                      \
     }
 DEFINE_BF16DOT_DEQUANT(1)
 DEFINE_BF16DOT_DEQUANT(2)
@@ -397,6 +427,7 @@ __attribute__((target(AVX512BF16))) static void widen_channels_i8(const int8_t *
  * bf16dot_group4_bf16's operations without scales (accumulators, order, final sum), with each
  * vector of weights and of x loaded once for all of them, since here the loads would bound it. */
 #define PACK_CH 2
+_Static_assert(PACK_CH * GROUP == 8, "bf16dot_channels reduces its sums with hsum16x8");
 
 __attribute__((target(AVX512BF16))) static void bf16dot_channels(const uint16_t *x, Py_ssize_t k,
                                                                   const uint16_t *w, float acc[PACK_CH][GROUP]) {
@@ -418,12 +449,13 @@ __attribute__((target(AVX512BF16))) static void bf16dot_channels(const uint16_t 
             }
         }
     }
+    __m512 sums[PACK_CH * GROUP];
     for (int h = 0; h < PACK_CH; h++)
-        for (int m = 0; m < GROUP; m++) {
-            float s = _mm512_reduce_add_ps(_mm512_add_ps(a[h][m], b[h][m]));
-            for (Py_ssize_t j = kb; j < k; j++) s += load_bf16(w + h * k, j) * bf16_to_float(x[m * k + j]);
-            acc[h][m] = s;
-        }
+        for (int m = 0; m < GROUP; m++) sums[h * GROUP + m] = _mm512_add_ps(a[h][m], b[h][m]);
+    hsum16x8(sums, &acc[0][0]);
+    for (int h = 0; h < PACK_CH; h++)
+        for (int m = 0; m < GROUP; m++)
+            for (Py_ssize_t j = kb; j < k; j++) acc[h][m] += load_bf16(w + h * k, j) * bf16_to_float(x[m * k + j]);
 }
 
 /* Where a channel's float32 sums go: times the per-row scale (not group scales, applied before),
