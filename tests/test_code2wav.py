@@ -120,22 +120,35 @@ def _stream(decoder: Any, codes: torch.Tensor, chunks: list[int]) -> torch.Tenso
 def test_fast_stage_serves_the_fast_modules(stages: dict[str, Any]) -> None:
     from vllm_omni.model_executor.models.common.snake_activation import SnakeBeta
     from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
+        EuclideanCodebook,
         Qwen3TTSTokenizerV2CausalConvNet,
     )
 
-    from omni_cpu_fastpath.qwen3_tts.code2wav import GemmCausalTransConv, GemmConv1d, InplaceSnakeBeta
+    from omni_cpu_fastpath.qwen3_tts.code2wav import (
+        CachedCodebook,
+        GemmCausalTransConv,
+        GemmConv1d,
+        InplaceSnakeBeta,
+        ShortInputLinear,
+    )
 
     fast, off = stages["fast"], stages["off"]
     assert fast.served.startswith("fast decoder (") and "GemmCausalTransConv" in fast.served
     assert "GemmConv1d" in fast.served
+    assert "ShortInputLinear" in fast.served and "CachedCodebook" in fast.served
     assert any(isinstance(m, InplaceSnakeBeta) for m in fast.decoder.modules())
     assert any(isinstance(m, GemmCausalTransConv) for m in fast.decoder.modules())
     # Every ungrouped causal convolution; the ConvNeXt blocks' depthwise ones stay stock.
     convs = [m.conv for m in fast.decoder.modules() if type(m) is Qwen3TTSTokenizerV2CausalConvNet]
     assert {type(m).__name__ for m in convs if m.groups == 1} == {"GemmConv1d"}
     assert {type(m).__name__ for m in convs if m.groups > 1} == {"Conv1d"}
+    # The ConvNeXt blocks' pointwise linears, and every codebook of the quantizer.
+    blocks = [m for m in fast.decoder.modules() if type(m).__name__ == "Qwen3TTSTokenizerV2ConvNeXtBlock"]
+    assert blocks and all(type(b.pwconv1) is type(b.pwconv2) is ShortInputLinear for b in blocks)
+    codebooks = [m for m in fast.decoder.modules() if isinstance(m, EuclideanCodebook)]
+    assert len(codebooks) == 16 and all(type(m) is CachedCodebook for m in codebooks)
     assert off.served == "stock decoder (VLLM_OMNI_CODE2WAV_FAST off)"
-    kinds = (InplaceSnakeBeta, GemmCausalTransConv, GemmConv1d)
+    kinds = (InplaceSnakeBeta, GemmCausalTransConv, GemmConv1d, ShortInputLinear, CachedCodebook)
     assert not any(isinstance(m, kinds) for m in off.decoder.modules())
     assert any(type(m) is SnakeBeta for m in off.decoder.modules())
     # Parameter names (what loading goes by) are the stock ones, streaming or not.
@@ -215,6 +228,65 @@ def test_gemm_conv_matches_conv1d(onednn: bool, monkeypatch: pytest.MonkeyPatch)
         GemmConv1d.from_stock(nn.Conv1d(8, 8, 7, groups=8))
     with pytest.raises(ValueError, match="not an ungrouped stride-1 unpadded convolution"):
         GemmConv1d.from_stock(nn.Conv1d(8, 8, 7, padding=3))
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_short_input_linear_matches_linear(onednn: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A few rows through oneDNN's matmul (or torch's product where oneDNN is missing) against
+    torch's Linear, within float32 rounding of a float64 product; more rows are Linear's own
+    forward, bit for bit."""
+    from torch import nn
+
+    from omni_cpu_fastpath.qwen3_tts import code2wav
+    from omni_cpu_fastpath.qwen3_tts.code2wav import SHORT_INPUT_COLUMNS, ShortInputLinear
+
+    monkeypatch.setattr(code2wav, "_ONEDNN_LINEAR", {torch.float32: onednn})
+    torch.manual_seed(0)
+    for bias in (True, False):
+        stock = nn.Linear(48, 192, bias=bias).eval()
+        fast = ShortInputLinear.from_stock(stock)
+        assert fast.weight is stock.weight and fast.bias is stock.bias
+        for rows in (1, 4, SHORT_INPUT_COLUMNS // 2, SHORT_INPUT_COLUMNS // 2 + 1):
+            x = torch.randn(2, rows, 48)  # (batch, columns, channels), as a ConvNeXt block feeds it
+            with torch.inference_mode():
+                want, got = stock(x), fast(x)
+            assert got.shape == want.shape == (2, rows, 192)
+            if 2 * rows > SHORT_INPUT_COLUMNS:
+                assert torch.equal(got, want)
+            else:
+                exact = x.double() @ stock.weight.double().t() + (stock.bias.double() if bias else 0.0)
+                assert snr_db(exact, got) >= 100.0 and snr_db(exact, want) >= 100.0, rows
+    with pytest.raises(ValueError, match="not a plain Linear"):
+        ShortInputLinear.from_stock(ShortInputLinear(4, 4))
+
+
+def test_cached_codebook_looks_up_stocks_values_and_follows_its_parameters() -> None:
+    from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
+        EuclideanCodebook,
+    )
+
+    from omni_cpu_fastpath.qwen3_tts.code2wav import CachedCodebook
+
+    g = torch.Generator().manual_seed(0)
+    stock = EuclideanCodebook(16, 64)
+    with torch.no_grad():
+        stock.embedding_sum.copy_(torch.randn(64, 16, generator=g))
+        stock.cluster_usage.copy_(torch.rand(64, generator=g) * 10)
+        stock.cluster_usage[3] = 0.0  # below epsilon: the clamp
+    cached = CachedCodebook.from_stock(stock)
+    assert cached.embedding_sum is stock.embedding_sum and cached.cluster_usage is stock.cluster_usage
+    codes = torch.randint(0, 64, (2, 9), generator=g)
+    codes[0, 0] = 3
+    with torch.inference_mode():
+        assert torch.equal(cached.decode(codes), stock.decode(codes))
+        assert torch.equal(cached.decode(codes), stock.decode(codes))  # from the kept table
+    with torch.no_grad():  # a reload writes the parameters in place
+        stock.embedding_sum.mul_(2.0)
+        stock.cluster_usage.add_(1.0)
+    with torch.inference_mode():
+        assert torch.equal(cached.decode(codes), stock.decode(codes))
+    with pytest.raises(ValueError, match="not a stock EuclideanCodebook"):
+        CachedCodebook.from_stock(cached)
 
 
 def test_stateless_stage_forward_matches_stock(stages: dict[str, Any]) -> None:

@@ -19,8 +19,10 @@ per-request decoder state, chunking) is the stock one; what changes:
   :class:`GemmConv1d`. Both run a short input (a chunk's low-rate layers, where a few output
   columns meet megabytes of weights) as one product of the unfolded input with the whole weight,
   through oneDNN's matmul (:func:`short_linear`), which streams those weights near the memory's
-  speed where torch's convolution and its GEMM for a few columns do not. Parameter names are
-  kept, so loading is unchanged.
+  speed where torch's convolution and its GEMM for a few columns do not; so do the ConvNeXt
+  blocks' pointwise linears (:class:`ShortInputLinear`). Each codebook keeps its divided table
+  (:class:`CachedCodebook`) instead of dividing it on every call. Parameter names are kept, so
+  loading is unchanged.
 
 - VLLM_OMNI_CODE2WAV_DTYPE (float32 by default) is the stage's dtype (the deploy config and the
   platform hook set it), so the stock decoder loads and computes in it; recorded here.
@@ -170,6 +172,64 @@ class GemmConv1d(nn.Conv1d):
         return out.view(batch, columns, self.out_channels).transpose(1, 2).contiguous()
 
 
+class ShortInputLinear(nn.Linear):
+    """A ``Linear`` (a ConvNeXt block's pointwise convolutions) that runs an input of at most
+    :data:`SHORT_INPUT_COLUMNS` rows as :func:`short_linear`; more rows take ``Linear``'s own
+    forward. Shares the stock module's parameters, so their names do not change."""
+
+    @classmethod
+    def from_stock(cls, linear: nn.Linear) -> ShortInputLinear:
+        if type(linear) is not nn.Linear:
+            raise ValueError(f"not a plain Linear: {linear}")
+        new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        new.weight, new.bias = linear.weight, linear.bias  # shared, so loaded values stay
+        return new
+
+    def forward(self, hidden_state: torch.Tensor) -> torch.Tensor:
+        rows = hidden_state.numel() // self.in_features
+        if rows > SHORT_INPUT_COLUMNS or rows < 1:
+            return super().forward(hidden_state)
+        out = short_linear(hidden_state.reshape(rows, self.in_features), self.weight, self.bias)
+        return out.view(*hidden_state.shape[:-1], self.out_features)
+
+
+class CachedCodebook(stock_codec.EuclideanCodebook):
+    """The stock codebook, whose ``decode`` divides the whole table by its usage counts on every
+    call: here the divided table is kept until a parameter changes (its version counter moves),
+    so every call looks up the same values as stock."""
+
+    @classmethod
+    def from_stock(cls, codebook: nn.Module) -> CachedCodebook:
+        if type(codebook) is not stock_codec.EuclideanCodebook:
+            raise ValueError(f"not a stock EuclideanCodebook: {codebook}")
+        new = cls(codebook.dim, codebook.codebook_size, codebook.epsilon)
+        new.cluster_usage, new.embedding_sum = codebook.cluster_usage, codebook.embedding_sum
+        return new
+
+    def __init__(self, dim: int, codebook_size: int, epsilon: float = 1e-5) -> None:
+        super().__init__(dim, codebook_size, epsilon)
+        self._table: torch.Tensor | None = None
+        self._table_key: tuple[int, ...] = ()
+
+    def embedding(self) -> torch.Tensor:
+        """``embedding_sum / cluster_usage.clamp(min=epsilon)[:, None]``, as the stock ``decode``
+        computes it, made again only after a parameter changed."""
+        key = (
+            self.embedding_sum._version,
+            self.cluster_usage._version,
+            self.embedding_sum.data_ptr(),
+            self.cluster_usage.data_ptr(),
+        )
+        if self._table is None or key != self._table_key:
+            with torch.no_grad():
+                self._table = self.embedding_sum / self.cluster_usage.clamp(min=self.epsilon)[:, None]
+            self._table_key = key
+        return self._table
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return F.embedding(codes, self.embedding())
+
+
 class GemmCausalTransConv(nn.Module):
     """A causal ``ConvTranspose1d`` (kernel ``m * stride``, right-trimmed to ``T * stride``) as GEMMs.
 
@@ -285,8 +345,9 @@ class GemmCausalTransConv(nn.Module):
 
 
 def make_fast_decoder(decoder: nn.Module) -> list[str]:
-    """Swap the decoder's SnakeBeta, the convolutions of its causal convolutions and its causal
-    transposed convolutions for the fast modules, in place.
+    """Swap the decoder's SnakeBeta, the convolutions of its causal convolutions, its causal
+    transposed convolutions, its ConvNeXt blocks' linears and its codebooks for the fast modules,
+    in place.
 
     Returns what was swapped, one entry per kind (``"InplaceSnakeBeta x29"``); a module that
     cannot be swapped stays stock.
@@ -307,6 +368,10 @@ def make_fast_decoder(decoder: nn.Module) -> list[str]:
                     new = GemmCausalTransConv(child)
                 except ValueError as exc:
                     logger.debug("omni-cpu-fastpath: %s stays stock: %s", name, exc)
+            elif type(child) is nn.Linear and type(parent) is stock_codec.Qwen3TTSTokenizerV2ConvNeXtBlock:
+                new = ShortInputLinear.from_stock(child)
+            elif type(child) is stock_codec.EuclideanCodebook:
+                new = CachedCodebook.from_stock(child)
             if new is not None:
                 setattr(parent, name, new)  # our own instance's submodule, through nn.Module
                 counts[type(new).__name__] = counts.get(type(new).__name__, 0) + 1
@@ -448,4 +513,11 @@ class FastQwen3TTSCode2Wav(Qwen3TTSCode2Wav):
         return out
 
 
-__all__ = ["FastQwen3TTSCode2Wav", "GemmCausalTransConv", "InplaceSnakeBeta", "make_fast_decoder"]
+__all__ = [
+    "CachedCodebook",
+    "FastQwen3TTSCode2Wav",
+    "GemmCausalTransConv",
+    "InplaceSnakeBeta",
+    "ShortInputLinear",
+    "make_fast_decoder",
+]

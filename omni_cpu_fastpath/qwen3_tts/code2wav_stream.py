@@ -199,7 +199,11 @@ class StreamingCodecDecoder(Qwen3TTSTokenizerV2Decoder):
         Call after the weights are loaded and after any module swap (``make_fast_decoder``).
         Raises :class:`StreamingUnsupported` (nothing changed) for a vocoder it does not know.
         """
-        from omni_cpu_fastpath.qwen3_tts.code2wav import GemmCausalTransConv, InplaceSnakeBeta
+        from omni_cpu_fastpath.qwen3_tts.code2wav import (
+            GemmCausalTransConv,
+            InplaceSnakeBeta,
+            ShortInputLinear,
+        )
 
         stateful: list[tuple[nn.Module, str, nn.Module]] = []
         reach = [0.0]  # left receptive field, in codec frames
@@ -228,8 +232,9 @@ class StreamingCodecDecoder(Qwen3TTSTokenizerV2Decoder):
                 # Its forward mixes time only in dwconv; the rest acts per position.
                 kinds = {n: type(c) for n, c in module.named_children()}
                 want = {"dwconv": Qwen3TTSTokenizerV2CausalConvNet, "norm": nn.LayerNorm, "act": nn.GELU}
-                want.update({"pwconv1": nn.Linear, "pwconv2": nn.Linear})
-                if kinds != want:
+                rest = {n: t for n, t in kinds.items() if n not in ("pwconv1", "pwconv2")}
+                pointwise = {kinds.get("pwconv1"), kinds.get("pwconv2")}
+                if rest != want or pointwise - {nn.Linear, ShortInputLinear}:
                     raise StreamingUnsupported(f"{name}: a ConvNeXt block of other layers ({kinds})")
                 return walk(module, "dwconv", module.dwconv, f"{name}.dwconv", rate)
             if kind in _SEQUENTIAL:
