@@ -270,8 +270,8 @@ __attribute__((target(AVX512))) static inline float hsum16(__m512 v) {
 }
 
 /* hsum16 of v[0..7] into out[0..7], each step of the tree done for several vectors in one
- * instruction (the pairings are hsum16's, so are the bits), where eight separate trees would
- * spend more instructions than a short dot product's own loop. */
+ * instruction (the pairings are hsum16's, so are the bits): about a third of the instructions of
+ * eight separate trees, which were a sizeable share of a short dot product's work. */
 __attribute__((target(AVX512))) static inline void hsum16x8(const __m512 v[8], float out[8]) {
     __m512 t8[4], t4[2];
     for (int p = 0; p < 4; p++) /* [v(2p) 8 sums | v(2p+1) 8 sums] */

@@ -122,6 +122,7 @@ def test_fast_stage_serves_the_fast_modules(stages: dict[str, Any]) -> None:
     from vllm_omni.model_executor.models.qwen3_tts.tokenizer_12hz.modeling_qwen3_tts_tokenizer_v2 import (
         EuclideanCodebook,
         Qwen3TTSTokenizerV2CausalConvNet,
+        Qwen3TTSTokenizerV2ConvNeXtBlock,
     )
 
     from omni_cpu_fastpath.qwen3_tts.code2wav import (
@@ -143,7 +144,7 @@ def test_fast_stage_serves_the_fast_modules(stages: dict[str, Any]) -> None:
     assert {type(m).__name__ for m in convs if m.groups == 1} == {"GemmConv1d"}
     assert {type(m).__name__ for m in convs if m.groups > 1} == {"Conv1d"}
     # The ConvNeXt blocks' pointwise linears, and every codebook of the quantizer.
-    blocks = [m for m in fast.decoder.modules() if type(m).__name__ == "Qwen3TTSTokenizerV2ConvNeXtBlock"]
+    blocks = [m for m in fast.decoder.modules() if type(m) is Qwen3TTSTokenizerV2ConvNeXtBlock]
     assert blocks and all(type(b.pwconv1) is type(b.pwconv2) is ShortInputLinear for b in blocks)
     codebooks = [m for m in fast.decoder.modules() if isinstance(m, EuclideanCodebook)]
     assert len(codebooks) == 16 and all(type(m) is CachedCodebook for m in codebooks)
