@@ -25,18 +25,20 @@ def cached_attention(
 ) -> torch.Tensor:
     """Attention of ``q [B, H, T, D]`` over a static cache ``[B, KV, S, D]`` with ``mask [T, S]``.
 
-    Two fp32 batched matmuls and an fp32 softmax, the query heads of each KV head stacked as rows
+    Products and sums in fp32 and an fp32 softmax, the query heads of each KV head stacked as rows
     (GQA without repeating the cache); output in ``q``'s dtype. What the compiled step runs in
     place of SDPA, whose CPU kernel costs more in setup than these few positions cost to multiply.
+    Written as broadcast products summed, not batched matmuls: Inductor fuses them into its own
+    loops, where a batched matmul would start a parallel region for a few thousand products.
     """
     bsz, heads, seq, dim = q.shape
     kv_heads, positions = k_cache.shape[1], k_cache.shape[2]
     group = heads // kv_heads
-    qf = q.to(torch.float32).reshape(bsz, kv_heads, group * seq, dim)
-    scores = torch.matmul(qf, k_cache.to(torch.float32).transpose(-1, -2)) * scale
+    qf = q.to(torch.float32).reshape(bsz, kv_heads, group * seq, 1, dim)
+    scores = (qf * k_cache.to(torch.float32).unsqueeze(2)).sum(-1) * scale
     scores = scores.view(bsz, kv_heads, group, seq, positions).masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(dim=-1).view(bsz, kv_heads, group * seq, positions)
-    out = torch.matmul(probs, v_cache.to(torch.float32))
+    probs = scores.softmax(dim=-1).view(bsz, kv_heads, group * seq, positions, 1)
+    out = (probs * v_cache.to(torch.float32).unsqueeze(2)).sum(-2)
     return out.view(bsz, heads, seq, dim).to(q.dtype)
 
 
