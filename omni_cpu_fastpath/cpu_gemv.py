@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from omni_cpu_fastpath import envs
+from omni_cpu_fastpath.ops import opaque_op
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
@@ -218,16 +219,15 @@ def _side_operands(
     return side_x, float_weight.to(torch.float32).contiguous()
 
 
-@torch.library.custom_op("omni_cpu_fastpath::gemv", mutates_args=())
+def _gemv_shape(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
+    return x2.new_empty((x2.shape[0], weight.shape[0]))
+
+
+@opaque_op("gemv", fake=_gemv_shape)
 def gemv_op(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`gemv` as an op a compiled graph calls opaquely (its weights stay graph inputs), for
     any row count (a batch's 2-token prefill too): one graph serves every batch size."""
     return gemv(x2, weight, scales)
-
-
-@gemv_op.register_fake
-def _(x2: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor | None = None) -> torch.Tensor:
-    return x2.new_empty((x2.shape[0], weight.shape[0]))
 
 
 def dequantize(

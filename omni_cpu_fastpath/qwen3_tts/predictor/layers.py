@@ -11,6 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from omni_cpu_fastpath.ops import opaque_op
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF/vllm-omni RMSNorm: variance in fp32, scale applied in the input dtype."""
@@ -47,7 +49,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-@torch.library.custom_op("omni_cpu_fastpath::stacked_linear", mutates_args=())
+def _stacked_linear_shape(x: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], table.shape[1]))
+
+
+@opaque_op("stacked_linear", fake=_stacked_linear_shape)
 def stacked_linear(x: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, table[index])`` for a ``[S, N, K]`` table and a 0-d index tensor.
 
@@ -55,11 +61,6 @@ def stacked_linear(x: torch.Tensor, table: torch.Tensor, index: torch.Tensor) ->
     that copies the whole head before the GEMM reads it again; here it is a view.
     """
     return F.linear(x, table[int(index)])
-
-
-@stacked_linear.register_fake
-def _(x: torch.Tensor, table: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], table.shape[1]))
 
 
 class StackedHeads(nn.Module):

@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from omni_cpu_fastpath import cpu_gemv
+from omni_cpu_fastpath.ops import opaque_op
 from omni_cpu_fastpath.qwen3_tts.predictor.layers import stacked_linear
 
 
@@ -157,7 +158,13 @@ class Int8StackedHeads(nn.Module):
         return stacked_int8pack_mm(x, self.qweight, self.scales, step_index(step), self.gemv).to(h.dtype)
 
 
-@torch.library.custom_op("omni_cpu_fastpath::stacked_int8pack_mm", mutates_args=())
+def _stacked_int8pack_mm_shape(
+    x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, gemv: bool = False
+) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], qtable.shape[1]))
+
+
+@opaque_op("stacked_int8pack_mm", fake=_stacked_int8pack_mm_shape)
 def stacked_int8pack_mm(
     x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, gemv: bool = False
 ) -> torch.Tensor:
@@ -170,13 +177,6 @@ def stacked_int8pack_mm(
     """
     i = int(index.reshape(()))
     return _int8pack_mm(x, qtable[i], scales[i], gemv)
-
-
-@stacked_int8pack_mm.register_fake
-def _(
-    x: torch.Tensor, qtable: torch.Tensor, scales: torch.Tensor, index: torch.Tensor, gemv: bool = False
-) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], qtable.shape[1]))
 
 
 def step_index(step: torch.Tensor | int) -> torch.Tensor:

@@ -75,6 +75,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from omni_cpu_fastpath import cpu_gemv, envs
 from omni_cpu_fastpath.errors import describe
+from omni_cpu_fastpath.ops import opaque_op
 from omni_cpu_fastpath.serving.stage_settings import (
     TALKER_DECODE_GEMV_METHOD,
     TALKER_FP32_PREFILL_METHOD,
@@ -284,7 +285,17 @@ def _grouped_kernel(
     return y
 
 
-@torch.library.custom_op("omni_cpu_fastpath::grouped_int8_linear", mutates_args=())
+def _grouped_kernel_shape(
+    x2: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    float_cols: torch.Tensor | None = None,
+    float_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return x2.new_empty((x2.shape[0], qweight.shape[0]))
+
+
+@opaque_op("grouped_int8_linear", fake=_grouped_kernel_shape)
 def grouped_kernel_op(
     x2: torch.Tensor,
     qweight: torch.Tensor,
@@ -294,17 +305,6 @@ def grouped_kernel_op(
 ) -> torch.Tensor:
     """``w8-group``'s product with the package's kernel, as an op a compiled graph calls opaquely."""
     return _grouped_kernel(x2, qweight, scales, float_cols, float_weight)
-
-
-@grouped_kernel_op.register_fake
-def _(
-    x2: torch.Tensor,
-    qweight: torch.Tensor,
-    scales: torch.Tensor,
-    float_cols: torch.Tensor | None = None,
-    float_weight: torch.Tensor | None = None,
-) -> torch.Tensor:
-    return x2.new_empty((x2.shape[0], qweight.shape[0]))
 
 
 _KERNEL_STATUS: list[str | None] = []
