@@ -545,3 +545,19 @@ def test_bench_floors_command_runs_without_vllm_and_refuses_bad_dims() -> None:
     )
     assert bad.returncode != 0 and "--dims '0.6b,7b' is not valid" in bad.stderr, bad.stderr[-2000:]
     assert "tiny, tiny-proj, 0.6b, 1.7b" in bad.stderr
+
+
+def test_best_bandwidth_takes_each_kernels_best_read_across_probes() -> None:
+    from omni_cpu_fastpath.bench.floor import Bandwidth, best_bandwidth
+
+    before = Bandwidth(best_gbs=40.0, kernel="sum_fp32", per_kernel_gbs={"sum_fp32": 40.0, "copy_fp32": 30.0})
+    after = Bandwidth(best_gbs=35.0, kernel="copy_fp32", per_kernel_gbs={"sum_fp32": 20.0, "copy_fp32": 35.0})
+    assert best_bandwidth([before]) == before
+    best = best_bandwidth([before, after])
+    assert best.per_kernel_gbs == {"sum_fp32": 40.0, "copy_fp32": 35.0}
+    assert (best.best_gbs, best.kernel) == (40.0, "sum_fp32")
+    later = Bandwidth(best_gbs=52.0, kernel="copy_fp32", per_kernel_gbs={"copy_fp32": 52.0})
+    best = best_bandwidth([before, after, later])
+    assert (best.best_gbs, best.kernel) == (52.0, "copy_fp32")
+    with pytest.raises(ValueError, match="at least one probe"):
+        best_bandwidth([])

@@ -99,6 +99,20 @@ def measure_bandwidth(mbytes: int = 256, repeats: int = 5) -> Bandwidth:
     return Bandwidth(best_gbs=results[kernel], kernel=kernel, per_kernel_gbs=results)
 
 
+def best_bandwidth(probes: list[Bandwidth]) -> Bandwidth:
+    """The best read of several probes taken at different times (each kernel's best across them):
+    a shared host's bandwidth moves within minutes, and a floor is the least time, so it takes the
+    fastest read seen."""
+    if not probes:
+        raise ValueError("best_bandwidth needs at least one probe")
+    per_kernel: dict[str, float] = {}
+    for p in probes:
+        for name, gbs in p.per_kernel_gbs.items():
+            per_kernel[name] = max(per_kernel.get(name, 0.0), gbs)
+    kernel = max(per_kernel, key=per_kernel.__getitem__)
+    return Bandwidth(best_gbs=per_kernel[kernel], kernel=kernel, per_kernel_gbs=per_kernel)
+
+
 def params_per_frame(predictor: nn.Module) -> int:
     """Weights read per frame: 15 sub-steps x (every layer + one codebook head [+ projection]).
 
