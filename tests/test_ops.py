@@ -18,6 +18,10 @@ PACKAGE_OPS = {
 }
 
 
+# The shapes the test op's own function was called with (not its fake).
+calls: list[torch.Size] = []
+
+
 def _halves_shape(x: torch.Tensor, scale: float) -> torch.Tensor:
     return x.new_empty((x.shape[0], x.shape[1] // 2))
 
@@ -26,9 +30,6 @@ def _halves_shape(x: torch.Tensor, scale: float) -> torch.Tensor:
 def scaled_halves(x: torch.Tensor, scale: float) -> torch.Tensor:
     calls.append(x.shape)
     return (x[:, ::2] + x[:, 1::2]) * scale
-
-
-calls: list[torch.Size] = []
 
 
 def test_an_opaque_op_runs_its_function_eager_traced_and_compiled() -> None:
