@@ -17,7 +17,7 @@
  * bf16 activations skip the widening: see the AVX512-BF16 path below.
  *
  *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa
- *        [, group[, side_x, side_w, side_c]])
+ *        [, group[, side_x, side_w, side_c[, prefetch]]])
  *
  * Pointers arrive as integers from cpu_gemv.py, which checks dtypes, shapes and contiguity. x is
  * [rows, k] (bf16 or float32); w is [n, k] with row stride ldw, int8 (w_kind 0) or bf16 (1);
@@ -35,7 +35,9 @@
  * once torch is loaded) in guided chunks: long runs of consecutive weight rows, which the
  * hardware prefetcher streams (runs of one small block each, handed out one at a time, left half
  * the bandwidth unused), shrinking towards the end so that a thread that lost its core for a
- * while holds up the others by a small chunk only.
+ * while holds up the others by a small chunk only. With prefetch > 0, before each output channel
+ * the weights `prefetch` bytes ahead of it are asked into L2 (prefetcht1): one weight row is a
+ * few KB, too short a run for the hardware prefetcher to cover a slow memory's latency alone.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -494,14 +496,19 @@ static inline void store_channel(const output_t *o, const float *acc, int g, int
     }
 }
 
+/* Ask for bytes [from, from + len) of w's `size` into L2. */
+static inline void prefetch_ahead(const char *w, size_t from, size_t len, size_t size) {
+    for (size_t i = from; i < from + len && i < size; i += 64) __builtin_prefetch(w + i, 0, 2);
+}
+
 static PyObject *gemv(PyObject *self, PyObject *args) {
     unsigned long long x_addr, w_addr, scale_addr, y_addr;
     int x_bf16, rows, w_kind, scale_bf16, y_bf16, threads, isa;
     unsigned long long side_x_addr = 0, side_w_addr = 0;
-    Py_ssize_t k, ldw, n, group = 0, side_c = 0;
-    if (!PyArg_ParseTuple(args, "KpinKinnKpKpii|nKKn", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
+    Py_ssize_t k, ldw, n, group = 0, side_c = 0, prefetch = 0;
+    if (!PyArg_ParseTuple(args, "KpinKinnKpKpii|nKKnn", &x_addr, &x_bf16, &rows, &k, &w_addr, &w_kind, &ldw, &n,
                           &scale_addr, &scale_bf16, &y_addr, &y_bf16, &threads, &isa, &group, &side_x_addr,
-                          &side_w_addr, &side_c))
+                          &side_w_addr, &side_c, &prefetch))
         return NULL;
     if (rows < 1 || k < 1 || n < 1 || ldw < k || threads < 1 || w_kind < 0 || w_kind > 1 || isa < 0 ||
         isa > cpu_isa) {
@@ -515,6 +522,10 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError,
                         "gemv: group must be 0 (one scale per row) or a positive multiple of 64 dividing k, "
                         "with bf16 group scales");
+        return NULL;
+    }
+    if (prefetch < 0) {
+        PyErr_SetString(PyExc_ValueError, "gemv: prefetch must be 0 (none) or a positive distance in bytes");
         return NULL;
     }
     if (side_c < 0 || (side_c > 0 && (!side_x_addr || !side_w_addr))) {
@@ -552,6 +563,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
         x = copy;
     }
     const Py_ssize_t blocks = (n + BLOCK_N - 1) / BLOCK_N;
+    const size_t wsize_all = ((size_t)(n - 1) * (size_t)ldw + (size_t)k) * wsize;
     Py_BEGIN_ALLOW_THREADS
 #pragma omp parallel num_threads(threads)
     {
@@ -598,10 +610,14 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                         }
                         if (scratch)
                             bf16dot_bf16(xr, g, k, scratch + (j - j0) * k, NULL, 0, acc);
-                        else
-                            channel(xr, g, k, w + (size_t)j * (size_t)ldw * wsize,
+                        else {
+                            const size_t at = (size_t)j * (size_t)ldw * wsize;
+                            if (prefetch && r == 0) /* later row groups find the span in cache */
+                                prefetch_ahead(w, at + (size_t)prefetch, (size_t)k * wsize, wsize_all);
+                            channel(xr, g, k, w + at,
                                     group ? (const uint16_t *)(uintptr_t)scale_addr + j * (k / group) : NULL, group,
                                     acc);
+                        }
                         store_channel(&out, acc, g, r, j);
                         j++;
                     }

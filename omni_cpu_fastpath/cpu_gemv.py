@@ -67,6 +67,12 @@ def _isa() -> int:
 
 
 @functools.cache
+def _prefetch() -> int:
+    """Bytes ahead the kernel asks for weights (``VLLM_OMNI_CPU_GEMV_PREFETCH``, read once per process)."""
+    return envs.get("VLLM_OMNI_CPU_GEMV_PREFETCH")
+
+
+@functools.cache
 def _extension() -> tuple[Any, str]:
     """The built and checked extension (or None), and what serves few-row products with it."""
     try:
@@ -177,7 +183,7 @@ def gemv(
     rows, k = x2.shape
     n = weight.shape[0]
     out_dtype = out_dtype or x2.dtype
-    side = ()
+    side = (0, 0, 0)
     if float_cols is not None:
         if float_weight is None or float_weight.shape != (n, float_cols.numel()):
             raise ValueError(
@@ -204,6 +210,7 @@ def gemv(
         _isa(),
         group_size(weight, scales),
         *side,
+        _prefetch(),
     )
     return y
 

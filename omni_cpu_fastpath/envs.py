@@ -113,7 +113,8 @@ FLAGS: dict[str, Flag] = {
             "w8-channel keeps outlier input columns in fp32, w8-plain does not, w8-group is w8-channel with "
             "a scale per 64 input weights (it passes the parity rule). auto: w8-group where the package's "
             "kernel serves and multiplies bf16 by AVX512-BF16 (then every row, a prompt's prefill too, is "
-            "summed as a decode row, so audio does not depend on the batch), unless "
+            "summed as a decode row, so audio does not depend on the batch) on a CPU without AMX (whose "
+            "tiles prefill the bf16 talker several times faster), unless "
             "VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV asks for the bf16 talker; "
             "else off. Off with VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
             choices=TALKER_INT8_SCHEMES,
@@ -156,6 +157,14 @@ FLAGS: dict[str, Flag] = {
             choices=("auto", "avx512", "avx2", "scalar"),
         ),
         Flag(
+            "VLLM_OMNI_CPU_GEMV_PREFETCH",
+            "int",
+            "8192",
+            "How many bytes ahead of each output channel VLLM_OMNI_CPU_GEMV's kernel asks for the "
+            "weights it reads next (into L2), so that slow memory has answered by then; 0: leave it to "
+            "the hardware prefetcher. Results are the same either way; read once per process.",
+        ),
+        Flag(
             "VLLM_OMNI_PREDICTOR_THREADS",
             "int",
             "0",
@@ -176,8 +185,8 @@ FLAGS: dict[str, Flag] = {
             "config: in VLLM_OMNI_COMPILE_CACHE_DIR's folder). Not with talker int8 "
             "w8-channel or w8-plain, VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV=1 "
             "(their linears branch on the row count); off with VLLM_OMNI_CPU_FASTPATH off. auto: vllm "
-            "where the talker serves int8 w8-group, else off (`omni-cpu-fastpath serve` sets auto "
-            "where unset).",
+            "where the talker serves int8 w8-group, or vLLM's bf16 linears on a CPU with AMX, else off "
+            "(`omni-cpu-fastpath serve` sets auto where unset).",
             choices=("off", "vllm", "auto"),
         ),
         Flag(

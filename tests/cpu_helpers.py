@@ -10,6 +10,17 @@ def native_bf16_by_cpuinfo() -> bool:
     return bool({"avx512_bf16", "amx_tile"} & cpu_flags())
 
 
+def amx_by_cpuinfo() -> bool:
+    """Whether the CPU lists AMX tiles."""
+    return "amx_tile" in cpu_flags()
+
+
+def auto_talker_int8_by_cpuinfo() -> bool:
+    """Whether ``VLLM_OMNI_TALKER_INT8=auto`` serves ``w8-group`` here (flags otherwise at their
+    defaults): the kernel multiplies bf16 by AVX512-BF16 and the CPU has no AMX."""
+    return native_bf16_by_cpuinfo() and widest_simd_by_cpuinfo() == "avx512bf16" and not amx_by_cpuinfo()
+
+
 def cpu_flags() -> set[str]:
     flags = next(ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags"))
     return set(flags.split(":", 1)[1].split())

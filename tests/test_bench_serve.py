@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 
 import pytest
-from cpu_helpers import native_bf16_by_cpuinfo
+from cpu_helpers import auto_talker_int8_by_cpuinfo
 
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.bench import serve
@@ -474,8 +474,8 @@ def test_bench_floors_reads_each_stage_at_its_format_and_adds_them_up() -> None:
 
 def test_bench_floors_flags_set_follows_the_environment() -> None:
     defaults = _floors(_report({}), "0.6b", "flags")["formats"]
-    # serve's defaults: the int8 talker (auto) where this CPU multiplies bf16 natively.
-    talker = "int8" if native_bf16_by_cpuinfo() else "bfloat16"
+    # serve's defaults: the int8 talker where auto serves it on this CPU.
+    talker = "int8" if auto_talker_int8_by_cpuinfo() else "bfloat16"
     assert defaults == {"talker": talker, "predictor": "int8", "code2wav": "float32"}
     env = {
         "VLLM_OMNI_TALKER_INT8": "w8-channel",

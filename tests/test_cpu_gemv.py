@@ -361,6 +361,50 @@ def test_bad_arguments_to_the_extension_raise_not_crash() -> None:
             ext.gemv(*wrong)
 
 
+def test_prefetching_ahead_changes_no_bit_and_stays_inside_the_weights() -> None:
+    """The prefetch distance only asks memory early: on every instruction set of this CPU, any
+    distance (one line, one row, a block, one past the whole matrix, whose requests would fall
+    outside it) gives the same bits as none, for int8 weights with per-row or group scales and for
+    bf16 weights, within float32 accumulation of float64; a negative distance is refused."""
+    ext = cpu_gemv._extension()[0]
+    rows, k, n = 5, 256, 200
+    x, q, s = _operands(rows, k, n, torch.bfloat16, torch.bfloat16, seed=8)
+    groups = (torch.rand(n, k // 64) / 50 + 1e-3).to(torch.bfloat16)
+    w16 = _bf16_weight(n, k, seed=8)
+    for isa in range(ext.simd()[0] + 1):
+        for w, kind, scales, group in ((q, 0, s, 0), (q, 0, groups, 64), (w16, 1, None, 0)):
+            outs = []
+            for prefetch in (0, 64, k * w.element_size(), 8192, n * k * w.element_size() + 4096):
+                y = torch.empty(rows, n, dtype=torch.float32)
+                ext.gemv(x.data_ptr(), True, rows, k, w.data_ptr(), kind, k, n,
+                         0 if scales is None else scales.data_ptr(), True, y.data_ptr(), False, 2, isa,
+                         group, 0, 0, 0, prefetch)  # fmt: skip
+                outs.append(y)
+            assert all(torch.equal(outs[0], y) for y in outs[1:]), (ISAS[isa], kind, group)
+            if group and isa == 3:
+                continue  # there each weight times its scale is rounded to bf16 first
+            wd = w.double() * groups.double().repeat_interleave(64, 1) if group else w
+            ref, bound = _reference_and_bound(x, wd, None if group else scales, torch.float32)
+            assert bool(((outs[0].double() - ref).abs() <= bound).all()), (ISAS[isa], kind, group)
+    with pytest.raises(ValueError, match="prefetch must be 0"):
+        ext.gemv(x.data_ptr(), True, rows, k, q.data_ptr(), 0, k, n, s.data_ptr(), True,
+                 torch.empty(rows, n).data_ptr(), False, 1, 0, 0, 0, 0, 0, -64)  # fmt: skip
+
+
+def test_the_prefetch_flag_reaches_the_kernel_and_a_bad_value_is_named() -> None:
+    code = "from omni_cpu_fastpath import cpu_gemv\nprint(cpu_gemv._prefetch())\n"
+    unset = {k: v for k, v in os.environ.items() if k != "VLLM_OMNI_CPU_GEMV_PREFETCH"}
+    for value, want in (("0", "0"), ("4096", "4096"), (None, "8192")):
+        env = unset if value is None else {**unset, "VLLM_OMNI_CPU_GEMV_PREFETCH": value}
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
+        )
+        assert out.returncode == 0 and out.stdout.split()[-1] == want, (value, out.stderr[-2000:])
+    env = {**os.environ, "VLLM_OMNI_CPU_GEMV_PREFETCH": "-1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode != 0 and "VLLM_OMNI_CPU_GEMV_PREFETCH" in out.stderr, out.stderr[-2000:]
+
+
 def _linear(seed: int = 6) -> nn.Linear:
     g = torch.Generator().manual_seed(seed)
     lin = nn.Linear(256, 96, bias=True)

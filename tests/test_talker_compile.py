@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cpu_helpers import amx_by_cpuinfo, auto_talker_int8_by_cpuinfo
 
 from omni_cpu_fastpath import envs, step_stats
 from omni_cpu_fastpath.serving import commands as serving
@@ -118,10 +119,12 @@ def test_bad_values_and_branching_linears_are_refused_by_name(monkeypatch) -> No
 
 
 def test_auto_compiles_beside_w8_group_only_and_is_never_refused(monkeypatch) -> None:
-    """``auto`` (what ``serve`` sets) compiles where the talker serves int8 ``w8-group`` and leaves
-    it eager, unrefused, beside everything ``vllm`` would refuse."""
+    """``auto`` (what ``serve`` sets) compiles where the talker serves int8 ``w8-group`` (or, on a
+    CPU with AMX, vLLM's bf16 linears) and leaves it eager, unrefused, beside everything ``vllm``
+    would refuse."""
     from omni_cpu_fastpath.qwen3_tts import talker
 
+    monkeypatch.setattr(stage_settings, "cpu_has_amx", lambda: False)
     monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
     monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "auto")
     monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "auto")
@@ -152,9 +155,35 @@ def test_auto_compiles_beside_w8_group_only_and_is_never_refused(monkeypatch) ->
             if eager:  # what the talker records says why auto left it eager
                 why = "VLLM_OMNI_TALKER_COMPILE=auto compiles beside talker int8 w8-group"
                 assert why in talker.eager_status(), env
-    # Under the int8 flag's own auto, as it resolves on this CPU.
+    # With AMX, vLLM's bf16 linears compile too; the package's branching methods still do not.
+    with monkeypatch.context() as m:
+        m.setattr(stage_settings, "cpu_has_amx", lambda: True)
+        for env, eager in (
+            ({"VLLM_OMNI_TALKER_INT8": "off", "VLLM_OMNI_TALKER_FP32_PREFILL": "off"}, False),
+            ({"VLLM_OMNI_TALKER_INT8": "w8-group"}, False),
+            ({"VLLM_OMNI_TALKER_INT8": "off", "VLLM_OMNI_TALKER_FP32_PREFILL": "on"}, True),
+            ({"VLLM_OMNI_TALKER_INT8": "off", "VLLM_OMNI_TALKER_FP32_PREFILL": "off",
+              "VLLM_OMNI_TALKER_DECODE_GEMV": "1"}, True),
+            ({"VLLM_OMNI_CPU_FASTPATH": "0", "VLLM_OMNI_TALKER_INT8": "auto"}, True),
+        ):  # fmt: skip
+            with monkeypatch.context() as e:
+                for name, value in env.items():
+                    e.setenv(name, value)
+                assert stage_settings.stage_compiles(TALKER) is not eager, env
+                written = {
+                    s["stage_id"]: s for s in deploy_config.cpu_deploy_overlay("base.yaml", [0, 1])["stages"]
+                }
+                assert written[TALKER.stage_id]["enforce_eager"] is eager, env
+    # Under the int8 flag's own auto, as it resolves on this CPU (AMX by /proc/cpuinfo).
+    monkeypatch.undo()
+    monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "auto")
+    monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "auto")
+    monkeypatch.delenv("VLLM_OMNI_TALKER_DECODE_GEMV", raising=False)
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
-    assert stage_settings.stage_compiles(TALKER) is (stage_settings.talker_int8_scheme() == "w8-group")
+    scheme = stage_settings.talker_int8_scheme()
+    assert scheme == ("w8-group" if auto_talker_int8_by_cpuinfo() else "off")
+    assert stage_settings.stage_compiles(TALKER) is (scheme == "w8-group" or amx_by_cpuinfo())
     monkeypatch.setattr(stage_settings, "cpu_has_native_bf16", lambda: False)  # auto int8: off
     assert stage_settings.talker_int8_scheme() == "off" and not stage_settings.stage_compiles(TALKER)
     monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "off")

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from cpu_helpers import native_bf16_by_cpuinfo, widest_simd_by_cpuinfo
+from cpu_helpers import auto_talker_int8_by_cpuinfo, native_bf16_by_cpuinfo
 
 from omni_cpu_fastpath import envs
 from omni_cpu_fastpath.serving import deploy_config, stage_settings
@@ -308,7 +308,7 @@ def test_flag_selects_the_method_for_the_talker_stage_only(monkeypatch: pytest.M
     monkeypatch.delenv("VLLM_OMNI_TALKER_INT8", raising=False)
     assert envs.get("VLLM_OMNI_TALKER_INT8") == "auto"
     stages = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]
-    auto = "omni_cpu_talker_w8_group" if native_bf16_by_cpuinfo() else None
+    auto = "omni_cpu_talker_w8_group" if auto_talker_int8_by_cpuinfo() else None
     assert [s.get("quantization") for s in stages] == [auto, None]
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-channel")
     by_id = {s["stage_id"]: s for s in deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])["stages"]}
@@ -327,9 +327,9 @@ def test_auto_serves_w8_group_only_where_nothing_asks_for_the_bf16_talker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``auto`` is w8-group with the fast path on and the package's kernel on, multiplying bf16 by
-    AVX512-BF16 (by /proc/cpuinfo: then it serves the prefill too, each row as a decode row),
-    compiled or not; the bf16 talker's own options, the kernel off or capped below AVX512-BF16 or
-    the fast path off each leave the talker float, without an error."""
+    AVX512-BF16 (by /proc/cpuinfo: then it serves the prefill too, each row as a decode row) on a
+    CPU without AMX, compiled or not; AMX, the bf16 talker's own options, the kernel off or capped
+    below AVX512-BF16 or the fast path off each leave the talker float, without an error."""
     talker = stage_settings.QWEN3_TTS_STAGES[0]
     for name in (
         "VLLM_OMNI_TALKER_COMPILE",
@@ -340,7 +340,7 @@ def test_auto_serves_w8_group_only_where_nothing_asks_for_the_bf16_talker(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
-    native = native_bf16_by_cpuinfo() and widest_simd_by_cpuinfo() == "avx512bf16"
+    native = auto_talker_int8_by_cpuinfo()
     assert stage_settings.talker_int8_scheme() == ("w8-group" if native else "off")
     if native:
         assert stage_settings.stage_quantization(talker) == "omni_cpu_talker_w8_group"
@@ -361,6 +361,11 @@ def test_auto_serves_w8_group_only_where_nothing_asks_for_the_bf16_talker(
             m.setenv(name, value)
             assert stage_settings.talker_int8_scheme() == "off", name
             assert stage_settings.stage_quantization(talker) == method, name
+    # With AMX, vLLM's bf16 talker prefills on its tiles: the float talker.
+    with monkeypatch.context() as m:
+        m.setattr(stage_settings, "cpu_has_amx", lambda: True)
+        assert stage_settings.talker_int8_scheme() == "off"
+        assert stage_settings.stage_quantization(talker) is None
     # A compiled talker keeps it (w8-group serves a graph traced once: test_talker_compile.py).
     with monkeypatch.context() as m:
         m.setenv("VLLM_OMNI_TALKER_COMPILE", "vllm")

@@ -150,7 +150,10 @@ def eager_status() -> str:
     """``talker.compile`` of an eager talker, with why ``auto`` left it eager."""
     if envs.get("VLLM_OMNI_TALKER_COMPILE") != "auto":
         return "off (eager)"
-    return "off (eager; VLLM_OMNI_TALKER_COMPILE=auto compiles beside talker int8 w8-group only)"
+    return (
+        "off (eager; VLLM_OMNI_TALKER_COMPILE=auto compiles beside talker int8 w8-group, "
+        "or vLLM's bf16 linears on a CPU with AMX, only)"
+    )
 
 
 class FastQwen3TTSTalker(Qwen3TTSTalkerForConditionalGeneration):

@@ -182,8 +182,10 @@ def talker_int8_scheme(environ: Mapping[str, str] | None = None) -> str:
     and on (without it every decode step would dequantize), a CPU that multiplies bf16 natively and
     a kernel that does so by AVX512-BF16 (not capped by ``VLLM_OMNI_CPU_GEMV_ISA``: only then does it
     serve a prompt's prefill too, each row summed as a decode row, so a request's audio does not
-    depend on its batch neighbours), and nothing set that asks for the bf16 talker:
-    ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1``. Otherwise ``off``.
+    depend on its batch neighbours), a CPU without AMX (whose tiles give vLLM's bf16 talker a
+    prompt's prefill several times faster than the kernel's ``vdpbf16ps``), and nothing set that
+    asks for the bf16 talker: ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or
+    ``VLLM_OMNI_TALKER_DECODE_GEMV=1``. Otherwise ``off``.
     """
     scheme = envs.get("VLLM_OMNI_TALKER_INT8", environ)
     if scheme != "auto":
@@ -196,6 +198,7 @@ def talker_int8_scheme(environ: Mapping[str, str] | None = None) -> str:
         and not envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ)
         and envs.get("VLLM_OMNI_CPU_GEMV", environ)
         and cpu_has_native_bf16()
+        and not cpu_has_amx()
         and cpu_gemv.multiplies_bf16_natively(os.environ if environ is None else environ)
     )
     return AUTO_TALKER_INT8 if served else "off"
@@ -246,13 +249,15 @@ def _branching_linears(environ: Mapping[str, str]) -> list[str]:
 
 def auto_compiles(environ: Mapping[str, str] | None = None) -> bool:
     """What VLLM_OMNI_TALKER_COMPILE=auto serves: compiled where the talker serves a
-    :data:`COMPILED_TALKER_INT8` scheme (the configuration whose compiled forward was measured
-    faster) and nothing asks for a linear method that branches on the row count; eager otherwise,
-    never refused."""
+    :data:`COMPILED_TALKER_INT8` scheme, or, on a CPU with AMX, vLLM's own bf16 linears (the
+    configurations whose compiled forward was measured faster), and nothing asks for a linear
+    method that branches on the row count; eager otherwise, never refused."""
     environ = os.environ if environ is None else environ
+    scheme = talker_int8_scheme(environ)
+    bf16_on_amx = scheme == "off" and cpu_has_amx() and not fp32_prefill(environ)
     return bool(
         envs.get("VLLM_OMNI_CPU_FASTPATH", environ)
-        and talker_int8_scheme(environ) in COMPILED_TALKER_INT8
+        and (scheme in COMPILED_TALKER_INT8 or bf16_on_amx)
         and not _branching_linears(environ)
     )
 
@@ -326,6 +331,13 @@ def cpu_has_native_bf16() -> bool:
     import torch
 
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN's bf16 GEMM (vLLM's CPU linears) runs on."""
+    import torch
+
+    return torch.cpu._is_amx_tile_supported()
 
 
 def kv_space_from_env(environ: Mapping[str, str] | None = None) -> bool:
