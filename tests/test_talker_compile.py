@@ -46,8 +46,9 @@ def test_flag_compiles_the_talker_stage_only_on_both_roads(tiny_model_dir, tmp_p
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
     monkeypatch.setenv("VLLM_OMNI_TALKER_FP32_PREFILL", "off")
     archs = {TALKER: "Qwen3TTSTalkerForConditionalGeneration", CODE2WAV: "Qwen3TTSCode2Wav"}
-    # auto: eager beside int8 off (compiled only where the talker serves w8-group, tested below).
-    for flag, talker_eager in (("off", True), ("vllm", False), ("auto", True)):
+    # auto: eager beside int8 off, except on a CPU with AMX (compiled where the talker serves
+    # w8-group or, with AMX, vLLM's bf16 linears: tested below).
+    for flag, talker_eager in (("off", True), ("vllm", False), ("auto", not amx_by_cpuinfo())):
         monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", flag)
         overlay = deploy_config.cpu_deploy_overlay("base.yaml", cpus=[0, 1])
         written = {s["stage_id"]: s for s in overlay["stages"]}

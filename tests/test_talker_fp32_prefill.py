@@ -45,6 +45,15 @@ def _method_layer(weight, stock: bool = False, fp32_rows: int | None = 16, gemv_
     return method, layer
 
 
+def _bias_as_vllm_keeps_it(bias, n: int, k: int):
+    """Where vLLM's CPU linear takes sgl-kernel's packed product (AMX, small layers), it keeps a
+    layer's bias in fp32 and that product refuses a bf16 one: the same values in fp32 there."""
+    import torch
+    from vllm.model_executor.layers.utils import check_cpu_sgl_kernel
+
+    return bias.float() if check_cpu_sgl_kernel(n, k, torch.bfloat16) else bias
+
+
 def test_method_rounds_the_float64_product_once_from_16_rows_and_is_bf16_linear_below() -> None:
     import torch
 
@@ -54,7 +63,7 @@ def test_method_rounds_the_float64_product_once_from_16_rows_and_is_bf16_linear_
     torch.manual_seed(0)
     n, k = 192, 256
     w = (torch.randn(n, k) * 0.02).bfloat16()
-    bias = (torch.randn(n) * 0.1).bfloat16()
+    bias = _bias_as_vllm_keeps_it((torch.randn(n) * 0.1).bfloat16(), n, k)
     method, layer = _method_layer(w)
     stock, stock_layer = _method_layer(w, stock=True)
     assert layer.weight.dtype == torch.bfloat16 and layer.weight.shape == (n, k)  # kept for widening
@@ -187,7 +196,7 @@ def test_decode_gemv_method_is_vllms_product_but_for_decode_rows() -> None:
     torch.manual_seed(2)
     n, k = 160, 256
     w = (torch.randn(n, k) * 0.02).bfloat16()
-    bias = (torch.randn(n) * 0.1).bfloat16()
+    bias = _bias_as_vllm_keeps_it((torch.randn(n) * 0.1).bfloat16(), n, k)
     method, layer = _method_layer(w, fp32_rows=None)
     stock, stock_layer = _method_layer(w, stock=True)
     assert layer.cpu_gemv
