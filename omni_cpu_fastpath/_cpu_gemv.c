@@ -498,7 +498,8 @@ static inline void store_channel(const output_t *o, const float *acc, int g, int
 
 /* Ask for bytes [from, from + len) of w's `size` into L2. */
 static inline void prefetch_ahead(const char *w, size_t from, size_t len, size_t size) {
-    for (size_t i = from; i < from + len && i < size; i += 64) __builtin_prefetch(w + i, 0, 2);
+    const size_t stop = from + len < size ? from + len : size;
+    for (size_t i = from; i < stop; i += 64) __builtin_prefetch(w + i, 0, 2);
 }
 
 static PyObject *gemv(PyObject *self, PyObject *args) {

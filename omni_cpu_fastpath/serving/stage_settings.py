@@ -330,7 +330,7 @@ def cpu_has_native_bf16() -> bool:
     """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX); elsewhere torch emulates it."""
     import torch
 
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return torch.cpu._is_avx512_bf16_supported() or cpu_has_amx()
 
 
 def cpu_has_amx() -> bool:
