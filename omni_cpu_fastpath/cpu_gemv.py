@@ -103,6 +103,14 @@ def multiplies_bf16_natively(environ: Mapping[str, str] | None = None) -> bool:
     return (_isa() if environ is None else _capped_isa(environ)) == _ISA_CAPS["auto"]
 
 
+def vectorized(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the kernel is usable here with AVX2 or wider under ``VLLM_OMNI_CPU_GEMV_ISA`` in
+    ``environ`` (default: this process's environment): not capped to its scalar loop."""
+    if _extension()[0] is None:
+        return False
+    return (_isa() if environ is None else _capped_isa(environ)) >= _ISA_CAPS["avx2"]
+
+
 def usable() -> bool:
     """Whether the kernel is built and passed its check in this process (whatever the flags say)."""
     return _extension()[0] is not None

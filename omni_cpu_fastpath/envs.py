@@ -114,7 +114,8 @@ FLAGS: dict[str, Flag] = {
             "a scale per 64 input weights (it passes the parity rule). auto: w8-group where the package's "
             "kernel serves and multiplies bf16 by AVX512-BF16 (then every row, a prompt's prefill too, is "
             "summed as a decode row, so audio does not depend on the batch) on a CPU without AMX (whose "
-            "tiles prefill the bf16 talker several times faster), unless "
+            "tiles prefill the bf16 talker several times faster), or on a CPU that emulates bf16 (AVX2) "
+            "where the kernel is vectorized (a long prefill dequantized for a float32 GEMM there), unless "
             "VLLM_OMNI_TALKER_FP32_PREFILL=on or VLLM_OMNI_TALKER_DECODE_GEMV asks for the bf16 talker; "
             "else off. Off with VLLM_OMNI_CPU_FASTPATH off (a scheme set beside it is refused).",
             choices=TALKER_INT8_SCHEMES,

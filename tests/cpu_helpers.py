@@ -17,8 +17,11 @@ def amx_by_cpuinfo() -> bool:
 
 def auto_talker_int8_by_cpuinfo() -> bool:
     """Whether ``VLLM_OMNI_TALKER_INT8=auto`` serves ``w8-group`` here (flags otherwise at their
-    defaults): the kernel multiplies bf16 by AVX512-BF16 and the CPU has no AMX."""
-    return native_bf16_by_cpuinfo() and widest_simd_by_cpuinfo() == "avx512bf16" and not amx_by_cpuinfo()
+    defaults): the kernel multiplies bf16 by AVX512-BF16 and the CPU has no AMX, or the CPU
+    emulates bf16 and the kernel is vectorized (AVX2 or AVX-512)."""
+    if not native_bf16_by_cpuinfo():
+        return widest_simd_by_cpuinfo() != "scalar"
+    return widest_simd_by_cpuinfo() == "avx512bf16" and not amx_by_cpuinfo()
 
 
 def cpu_flags() -> set[str]:

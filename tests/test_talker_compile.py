@@ -185,7 +185,11 @@ def test_auto_compiles_beside_w8_group_only_and_is_never_refused(monkeypatch) ->
     scheme = stage_settings.talker_int8_scheme()
     assert scheme == ("w8-group" if auto_talker_int8_by_cpuinfo() else "off")
     assert stage_settings.stage_compiles(TALKER) is (scheme == "w8-group" or amx_by_cpuinfo())
-    monkeypatch.setattr(stage_settings, "cpu_has_native_bf16", lambda: False)  # auto int8: off
+    # Where torch emulates bf16, auto's int8 talker is w8-group (the vectorized kernel): compiled.
+    monkeypatch.setattr(stage_settings, "cpu_has_native_bf16", lambda: False)
+    assert stage_settings.talker_int8_scheme() == "w8-group" and stage_settings.stage_compiles(TALKER)
+    # With the kernel capped to its scalar loop there, auto's talker is the bf16 one: eager.
+    monkeypatch.setenv("VLLM_OMNI_CPU_GEMV_ISA", "scalar")
     assert stage_settings.talker_int8_scheme() == "off" and not stage_settings.stage_compiles(TALKER)
     monkeypatch.setenv("VLLM_OMNI_TALKER_COMPILE", "off")
     assert talker.eager_status() == "off (eager)"

@@ -177,7 +177,16 @@ def test_group_method_matches_float64_of_dequantized_weights(dtype: str) -> None
         err = (y.double() - ref).abs().max() / ref.abs().max()
         assert err < 2**-7, (rows, err)
         if rows > GROUPED_KERNEL_MAX_ROWS and not cpu_gemv.multiplies_bf16_natively():
-            continue  # dequantized for a bf16 GEMM: another summation order
+            if not native_bf16_by_cpuinfo():
+                # Dequantized exactly for a float32 GEMM: the int8 product and the fp32 columns'
+                # share (of the bf16 input) each rounded to bf16 once, then added in bf16.
+                main = xb @ dequantized.T
+                side = ref - main
+                size = main.abs() + side.abs()
+                ulp = 2.0 ** (torch.floor(torch.log2(size.clamp_min(1e-30))) - 7)
+                bound = 1.5 * ulp + side.abs() * 2**-8 + 1e-6 * size.max()
+                assert bool(((y.double() - ref).abs() <= bound).all()), rows
+            continue  # dequantized for torch's GEMM: another summation order
         alone = torch.cat([method.apply(layer, x[i : i + 1]) for i in range(rows)])
         assert torch.equal(y, alone), rows
     # Control: against the exact product, the groups are well inside per-row scales' error.
@@ -328,8 +337,9 @@ def test_auto_serves_w8_group_only_where_nothing_asks_for_the_bf16_talker(
 ) -> None:
     """``auto`` is w8-group with the fast path on and the package's kernel on, multiplying bf16 by
     AVX512-BF16 (by /proc/cpuinfo: then it serves the prefill too, each row as a decode row) on a
-    CPU without AMX, compiled or not; AMX, the bf16 talker's own options, the kernel off or capped
-    below AVX512-BF16 or the fast path off each leave the talker float, without an error."""
+    CPU without AMX, or vectorized on a CPU that emulates bf16, compiled or not; AMX, the bf16
+    talker's own options, the kernel off or capped (below AVX512-BF16, or to its scalar loop) or
+    the fast path off each leave the talker float, without an error."""
     talker = stage_settings.QWEN3_TTS_STAGES[0]
     for name in (
         "VLLM_OMNI_TALKER_COMPILE",
@@ -340,21 +350,21 @@ def test_auto_serves_w8_group_only_where_nothing_asks_for_the_bf16_talker(
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("VLLM_OMNI_CPU_FASTPATH", "1")
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "auto")
-    native = auto_talker_int8_by_cpuinfo()
-    assert stage_settings.talker_int8_scheme() == ("w8-group" if native else "off")
-    if native:
+    int8 = auto_talker_int8_by_cpuinfo()
+    assert stage_settings.talker_int8_scheme() == ("w8-group" if int8 else "off")
+    if int8:
         assert stage_settings.stage_quantization(talker) == "omni_cpu_talker_w8_group"
+    without_native_bf16 = None if native_bf16_by_cpuinfo() else stage_settings.TALKER_FP32_PREFILL_METHOD
     bf16_talker = {
         "VLLM_OMNI_TALKER_FP32_PREFILL": ("on", stage_settings.TALKER_FP32_PREFILL_METHOD),
-        "VLLM_OMNI_TALKER_DECODE_GEMV": ("1", stage_settings.TALKER_DECODE_GEMV_METHOD),
-        "VLLM_OMNI_CPU_GEMV": (
-            "0",
-            None if native_bf16_by_cpuinfo() else stage_settings.TALKER_FP32_PREFILL_METHOD,
+        # Without native bf16 the fp32 prefill (auto there) already sends decode rows to the kernel.
+        "VLLM_OMNI_TALKER_DECODE_GEMV": (
+            "1",
+            without_native_bf16 or stage_settings.TALKER_DECODE_GEMV_METHOD,
         ),
-        "VLLM_OMNI_CPU_GEMV_ISA": (
-            "avx512",
-            None if native_bf16_by_cpuinfo() else stage_settings.TALKER_FP32_PREFILL_METHOD,
-        ),
+        "VLLM_OMNI_CPU_GEMV": ("0", without_native_bf16),
+        # Capped below AVX512-BF16 where the CPU has it; to the scalar loop where it emulates bf16.
+        "VLLM_OMNI_CPU_GEMV_ISA": ("avx512" if native_bf16_by_cpuinfo() else "scalar", without_native_bf16),
     }
     for name, (value, method) in bf16_talker.items():
         with monkeypatch.context() as m:
@@ -366,10 +376,16 @@ def test_auto_serves_w8_group_only_where_nothing_asks_for_the_bf16_talker(
         m.setattr(stage_settings, "cpu_has_amx", lambda: True)
         assert stage_settings.talker_int8_scheme() == "off"
         assert stage_settings.stage_quantization(talker) is None
+    # Where torch emulates bf16, the vectorized kernel serves it, and its scalar loop does not.
+    with monkeypatch.context() as m:
+        m.setattr(stage_settings, "cpu_has_native_bf16", lambda: False)
+        assert stage_settings.talker_int8_scheme() == "w8-group"
+        m.setenv("VLLM_OMNI_CPU_GEMV_ISA", "scalar")
+        assert stage_settings.talker_int8_scheme() == "off"
     # A compiled talker keeps it (w8-group serves a graph traced once: test_talker_compile.py).
     with monkeypatch.context() as m:
         m.setenv("VLLM_OMNI_TALKER_COMPILE", "vllm")
-        assert stage_settings.talker_int8_scheme() == ("w8-group" if native else "off")
+        assert stage_settings.talker_int8_scheme() == ("w8-group" if int8 else "off")
     # The same settings beside an explicit scheme keep it.
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "w8-group")
     monkeypatch.setenv("VLLM_OMNI_CPU_GEMV", "0")
@@ -552,9 +568,11 @@ def test_served_status_of_the_group_scheme(tiny_outlier_model_dir, monkeypatch) 
     if cpu_gemv.multiplies_bf16_natively():
         assert status == head + f"{cpu_gemv.kernel_name()} for every row count)", status
     else:
-        assert status == head + f"{cpu_gemv.kernel_name()} for 1-{rows} rows, dequantized to bf16 beyond)", (
-            status
-        )
+        # Where torch emulates bf16 (by /proc/cpuinfo), a long prefill's GEMM runs in float32.
+        beyond = "bf16" if native_bf16_by_cpuinfo() else "float32"
+        assert (
+            status == head + f"{cpu_gemv.kernel_name()} for 1-{rows} rows, dequantized to {beyond} beyond)"
+        ), status
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         layer = talker.model.layers[0].get_submodule(name)
         assert layer.scales.shape == (

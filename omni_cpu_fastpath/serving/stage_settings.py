@@ -179,29 +179,42 @@ def talker_int8_scheme(environ: Mapping[str, str] | None = None) -> str:
     """The scheme VLLM_OMNI_TALKER_INT8 serves: ``auto`` resolved, any other value as set.
 
     ``auto`` is :data:`AUTO_TALKER_INT8` with the fast path on, the package's kernel built, checked
-    and on (without it every decode step would dequantize), a CPU that multiplies bf16 natively and
-    a kernel that does so by AVX512-BF16 (not capped by ``VLLM_OMNI_CPU_GEMV_ISA``: only then does it
-    serve a prompt's prefill too, each row summed as a decode row, so a request's audio does not
-    depend on its batch neighbours), a CPU without AMX (whose tiles give vLLM's bf16 talker a
-    prompt's prefill several times faster than the kernel's ``vdpbf16ps``), and nothing set that
-    asks for the bf16 talker: ``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or
-    ``VLLM_OMNI_TALKER_DECODE_GEMV=1``. Otherwise ``off``.
+    and on (without it every decode step would dequantize), nothing set that asks for the bf16
+    talker (``VLLM_OMNI_TALKER_FP32_PREFILL=on`` or ``VLLM_OMNI_TALKER_DECODE_GEMV=1``), and either
+    of two CPUs:
+
+    - one that multiplies bf16 natively, without AMX (whose tiles give vLLM's bf16 talker a
+      prompt's prefill several times faster than the kernel's ``vdpbf16ps``), and a kernel that
+      does so by AVX512-BF16 (not capped by ``VLLM_OMNI_CPU_GEMV_ISA``): only then does it serve a
+      prompt's prefill too, each row summed as a decode row, so a request's audio does not depend
+      on its batch neighbours;
+    - one where torch emulates bf16 (AVX2), with the kernel vectorized (not capped to ``scalar``):
+      the decode rows read half the bytes of the bf16 talker's, and a long prefill is dequantized
+      for a float32 GEMM, as the bf16 talker's fp32 prefill widens its weights there (neither keeps
+      a decode row's summation order in a long batch).
+
+    Otherwise ``off``.
     """
     scheme = envs.get("VLLM_OMNI_TALKER_INT8", environ)
     if scheme != "auto":
         return scheme
-    from omni_cpu_fastpath import cpu_gemv
-
     served = (
         envs.get("VLLM_OMNI_CPU_FASTPATH", environ)
         and envs.get("VLLM_OMNI_TALKER_FP32_PREFILL", environ) != "on"
         and not envs.get("VLLM_OMNI_TALKER_DECODE_GEMV", environ)
         and envs.get("VLLM_OMNI_CPU_GEMV", environ)
-        and cpu_has_native_bf16()
-        and not cpu_has_amx()
-        and cpu_gemv.multiplies_bf16_natively(os.environ if environ is None else environ)
+        and _auto_int8_kernel(os.environ if environ is None else environ)
     )
     return AUTO_TALKER_INT8 if served else "off"
+
+
+def _auto_int8_kernel(environ: Mapping[str, str]) -> bool:
+    """Whether this CPU and the kernel's instruction set serve ``auto``'s int8 talker (above)."""
+    from omni_cpu_fastpath import cpu_gemv
+
+    if cpu_has_native_bf16():
+        return not cpu_has_amx() and cpu_gemv.multiplies_bf16_natively(environ)
+    return cpu_gemv.vectorized(environ)
 
 
 def stage_compiles(settings: StageSettings | None, environ: Mapping[str, str] | None = None) -> bool:

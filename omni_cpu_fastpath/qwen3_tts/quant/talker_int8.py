@@ -47,9 +47,11 @@ Activations are never quantized.
   summation order, so a row's result does not depend on whether it is decoded alone, batched with
   others or prefilled beside another prompt (as vLLM's bf16 GEMM does for the float talker).
   Elsewhere each group's exact dot product is multiplied by its scale in registers, up to
-  :data:`GROUPED_KERNEL_MAX_ROWS` rows, and a longer prefill dequantizes the weights to bf16 for
-  torch's bf16 GEMM (``cpu_gemv.dequantize``; where the kernel is off, torch's multiply, the same
-  bits), as does any call where the kernel is off.
+  :data:`GROUPED_KERNEL_MAX_ROWS` rows, and a longer prefill dequantizes the weights for torch's
+  GEMM (``cpu_gemv.dequantize``): to bf16 where the CPU multiplies bf16 natively (AMX), to float32
+  where torch emulates bf16 (AVX2), whose GEMM then runs several times faster on the same exact
+  products (an int8 weight times a bf16 scale is exact in float32), the output rounded to bf16 once.
+  Where the kernel is off, every call dequantizes to bf16 (torch's multiply, the same bits).
 
 With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
 and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
@@ -58,6 +60,7 @@ before the served forward, ``talker_parity.TalkerParityChecker``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -76,6 +79,7 @@ from vllm.model_executor.utils import set_weight_attrs
 from omni_cpu_fastpath import cpu_gemv, envs
 from omni_cpu_fastpath.errors import describe
 from omni_cpu_fastpath.ops import opaque_op
+from omni_cpu_fastpath.serving import stage_settings
 from omni_cpu_fastpath.serving.stage_settings import (
     TALKER_DECODE_GEMV_METHOD,
     TALKER_FP32_PREFILL_METHOD,
@@ -94,7 +98,7 @@ W8_GROUP_METHOD = TALKER_INT8_METHODS["w8-group"]
 # 64). A layer whose input width it does not divide keeps one scale per row (none in Qwen3-TTS).
 GROUP_SIZE = 64
 # Rows up to which ``w8-group`` multiplies through the kernel where it widens int8 to float32
-# (no AVX512-BF16); more are dequantized to bf16 first.
+# (no AVX512-BF16); more are dequantized first (:func:`long_prefill_dtype`).
 GROUPED_KERNEL_MAX_ROWS = 32
 
 # The talker's decoder linears: vLLM's Qwen3Model under the talker's "model" prefix. The code
@@ -279,10 +283,19 @@ def _grouped_kernel(
     # inside, so one graph serves every batch size with the eager arithmetic.
     if x2.shape[0] <= GROUPED_KERNEL_MAX_ROWS or cpu_gemv.multiplies_bf16_natively():
         return cpu_gemv.gemv(x2, qweight, scales, float_cols=float_cols, float_weight=float_weight)
-    y = F.linear(x2.contiguous(), cpu_gemv.dequantize(qweight, scales))
+    dtype = long_prefill_dtype()
+    y = F.linear(x2.to(dtype).contiguous(), cpu_gemv.dequantize(qweight, scales, dtype)).to(x2.dtype)
     if float_cols is not None:
         y = y + float_columns_product(x2, float_cols, float_weight).to(y.dtype)
     return y
+
+
+@functools.cache
+def long_prefill_dtype() -> torch.dtype:
+    """The dtype of ``w8-group``'s GEMM for a prompt past the kernel's rows: bf16 where the CPU
+    multiplies it natively, else float32 (torch emulates a bf16 product row by row, as the bf16
+    talker's fp32 prefill says)."""
+    return torch.bfloat16 if stage_settings.cpu_has_native_bf16() else torch.float32
 
 
 def _grouped_kernel_shape(
@@ -415,9 +428,9 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
         elif cpu_gemv.multiplies_bf16_natively():
             kernel = f"{cpu_gemv.kernel_name()} for every row count"
         else:
-            kernel = (
-                f"{cpu_gemv.kernel_name()} for 1-{GROUPED_KERNEL_MAX_ROWS} rows, dequantized to bf16 beyond"
-            )
+            beyond = "bf16" if long_prefill_dtype() is torch.bfloat16 else "float32"
+            rows = f"1-{GROUPED_KERNEL_MAX_ROWS} rows"
+            kernel = f"{cpu_gemv.kernel_name()} for {rows}, dequantized to {beyond} beyond"
         cols = f", scales per {quant_config.group_size} input weights"
     else:
         why = kernel_status()
