@@ -98,17 +98,20 @@ def multiplies_bf16_natively(environ: Mapping[str, str] | None = None) -> bool:
     caller's row cap depends on: many fewer instructions per weight than widening to float32, and
     int8 weights widened once for all rows of a long prefill. ``environ``: the environment of a
     server to be started, whose ``VLLM_OMNI_CPU_GEMV_ISA`` counts (default: this process's)."""
-    if _extension()[0] is None:
-        return False
-    return (_isa() if environ is None else _capped_isa(environ)) == _ISA_CAPS["auto"]
+    return _served_isa(environ) == _ISA_CAPS["auto"]
 
 
 def vectorized(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the kernel is usable here with AVX2 or wider under ``VLLM_OMNI_CPU_GEMV_ISA`` in
     ``environ`` (default: this process's environment): not capped to its scalar loop."""
+    return _served_isa(environ) >= _ISA_CAPS["avx2"]
+
+
+def _served_isa(environ: Mapping[str, str] | None) -> int:
+    """The instruction set the kernel takes, capped as ``environ`` says; -1 where it is unusable."""
     if _extension()[0] is None:
-        return False
-    return (_isa() if environ is None else _capped_isa(environ)) >= _ISA_CAPS["avx2"]
+        return -1
+    return _isa() if environ is None else _capped_isa(environ)
 
 
 def usable() -> bool:
