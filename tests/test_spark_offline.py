@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cpu_helpers import native_bf16_by_cpuinfo
 from spark_helpers import PROMPTS, STEPS, TOPK, run_llm, spark_tiny_dir  # noqa: F401
 
 from omni_cpu_fastpath.testing.spark_reference import Reference
@@ -108,8 +109,6 @@ def test_llm_bf16_within_the_frozen_bound_of_fp32_reference(
     # kernel. Both hold the same bound; where the CPU multiplies bf16 natively they differ in
     # rounding, so the second path really ran. Where torch emulates bf16, its product also sums
     # each row in fp32 and may give the same bits at these widths.
-    from cpu_helpers import native_bf16_by_cpuinfo
-
     from omni_cpu_fastpath import cpu_gemv
 
     off, on = ({"VLLM_OMNI_SPARK_FP32_PREFILL": v} for v in ("off", "on"))
