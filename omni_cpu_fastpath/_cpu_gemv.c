@@ -8,13 +8,14 @@
  * emulated. This kernel streams each weight row once for all rows of x: 16 weights (AVX-512) or
  * 8 (AVX2) widened to float32 per instruction (an int8 by conversion, a bf16 by a 16-bit shift),
  * fused multiply-add into float32 register accumulators, two per row of x over even and odd
- * blocks of weights. With several rows of x the widening and the multiply-adds, not the memory,
- * bound the time, which is why the wider registers pay where the CPU has them. A bf16 (or int8)
- * weight times a bf16 activation is exact in float32, so only the summation order differs from
- * torch's, and each row is summed in the same order whatever its batch neighbours and the thread
- * count, so batching never changes a row's result (the order differs between the AVX2, AVX-512
- * and AVX512-BF16 paths, which one CPU always takes the same way). Where the CPU has AVX512-BF16,
- * bf16 activations skip the widening: see the AVX512-BF16 path below.
+ * blocks of weights (four, over blocks in turn, on AVX2 without group scales). With several rows
+ * of x the widening and the multiply-adds, not the memory, bound the time, which is why the wider
+ * registers pay where the CPU has them. A bf16 (or int8) weight times a bf16 activation is exact
+ * in float32, so only the summation order differs from torch's, and each row is summed in the
+ * same order whatever its batch neighbours and the thread count, so batching never changes a row's
+ * result (the order differs between the AVX2, AVX-512 and AVX512-BF16 paths, which one CPU always
+ * takes the same way). Where the CPU has AVX512-BF16, bf16 activations skip the widening: see the
+ * AVX512-BF16 path below.
  *
  *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa
  *        [, group[, side_x, side_w, side_c[, prefetch]]])
@@ -48,7 +49,7 @@
 #include <string.h>
 
 #define BLOCK_N 64 /* output channels per scheduling unit */
-#define GROUP 4    /* rows of x per call of a channel function: their floats stay in L1 */
+#define GROUP 4    /* rows of x per call of a channel function (at most): their floats stay in L1 */
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -120,38 +121,39 @@ __attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w,
 #define AVX512_OPS AVX512, __m512, 16, _mm512_setzero_ps, _mm512_set1_ps, _mm512_loadu_ps, _mm512_fmadd_ps, \
                    _mm512_add_ps, _mm512_reduce_add_ps, widen16
 
-/* One output channel for R = 1..4 rows of x, every accumulator in a register: two per row, over
- * even and odd blocks of W weights, then one block of W, then the last k % W one by one. With group
- * scales gs, each group of weights is summed so and its sum multiplied by its scale into a third
- * register per row (groups are multiples of 2W, so no weights are left over). */
-#define DEFINE_GROUP(ISA, R, KIND, ...) DEFINE_GROUP_(ISA, R, KIND, __VA_ARGS__)
-#define DEFINE_GROUP_(ISA, R, KIND, TARGET, VEC, W, ZERO, SET1, LOADU, FMADD, ADD, HSUM, WIDEN)     \
+/* One output channel for R rows of x, every accumulator in a register: NACC (2 or 4) per row,
+ * over blocks of W weights taken in turn (block b into accumulator b % NACC), then one block of W
+ * at a time into the first, then the last k % W one by one; the accumulators are added pairwise,
+ * (a0 + a1) + (a2 + a3). With group scales gs, each group of weights is summed so and its sum
+ * multiplied by its scale into one more register per row (groups are multiples of 64, so of
+ * NACC * W, and no weights are left over). */
+#define DEFINE_GROUP(ISA, R, KIND, NACC, ...) DEFINE_GROUP_(ISA, R, KIND, NACC, __VA_ARGS__)
+#define DEFINE_GROUP_(ISA, R, KIND, NACC, TARGET, VEC, W, ZERO, SET1, LOADU, FMADD, ADD, HSUM, WIDEN) \
     __attribute__((target(TARGET))) static void ISA##_group##R##_##KIND(                             \
         const float *x, Py_ssize_t k, const void *w, const uint16_t *gs, Py_ssize_t group, float *acc) { \
-        VEC a[R], b[R], t[R];                                                                        \
+        VEC a[NACC][R], t[R];                                                                        \
         for (int m = 0; m < R; m++) t[m] = ZERO();                                                   \
         Py_ssize_t kw = k - k % W, i = 0;                                                            \
         if (!gs) group = kw > 0 ? kw : 1;                                                            \
         for (Py_ssize_t g0 = 0; g0 < kw; g0 += group) {                                              \
             Py_ssize_t end = g0 + group;                                                             \
-            for (int m = 0; m < R; m++) a[m] = b[m] = ZERO();                                        \
-            for (i = g0; i + 2 * W <= end; i += 2 * W) {                                             \
-                VEC w0 = WIDEN##_##KIND(w, i), w1 = WIDEN##_##KIND(w, i + W);                        \
-                for (int m = 0; m < R; m++) {                                                        \
-                    const float *xm = x + (Py_ssize_t)m * k + i;                                     \
-                    a[m] = FMADD(w0, LOADU(xm), a[m]);                                               \
-                    b[m] = FMADD(w1, LOADU(xm + W), b[m]);                                           \
-                }                                                                                    \
+            for (int q = 0; q < NACC; q++)                                                           \
+                for (int m = 0; m < R; m++) a[q][m] = ZERO();                                        \
+            for (i = g0; i + NACC * W <= end; i += NACC * W) {                                       \
+                VEC wq[NACC];                                                                        \
+                for (int q = 0; q < NACC; q++) wq[q] = WIDEN##_##KIND(w, i + q * W);                 \
+                for (int m = 0; m < R; m++)                                                          \
+                    for (int q = 0; q < NACC; q++)                                                   \
+                        a[q][m] = FMADD(wq[q], LOADU(x + (Py_ssize_t)m * k + i + q * W), a[q][m]);   \
             }                                                                                        \
             for (; i < end; i += W) {                                                                \
                 VEC w0 = WIDEN##_##KIND(w, i);                                                       \
-                for (int m = 0; m < R; m++) a[m] = FMADD(w0, LOADU(x + (Py_ssize_t)m * k + i), a[m]); \
+                for (int m = 0; m < R; m++) a[0][m] = FMADD(w0, LOADU(x + (Py_ssize_t)m * k + i), a[0][m]); \
             }                                                                                        \
-            if (gs) {                                                                                \
-                VEC sc = SET1(bf16_to_float(gs[g0 / group]));                                        \
-                for (int m = 0; m < R; m++) t[m] = FMADD(ADD(a[m], b[m]), sc, t[m]);                 \
-            } else {                                                                                 \
-                for (int m = 0; m < R; m++) t[m] = ADD(a[m], b[m]);                                  \
+            for (int m = 0; m < R; m++) {                                                            \
+                VEC s = NACC == 4 ? ADD(ADD(a[0][m], a[1][m]), ADD(a[2 % NACC][m], a[3 % NACC][m]))  \
+                                  : ADD(a[0][m], a[1][m]);                                           \
+                t[m] = gs ? FMADD(s, SET1(bf16_to_float(gs[g0 / group])), t[m]) : s;                 \
             }                                                                                        \
         }                                                                                            \
         for (int m = 0; m < R; m++) {                                                                \
@@ -160,25 +162,40 @@ __attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w,
             acc[m] = s;                                                                              \
         }                                                                                            \
     }
-/* A path's channel function: its variant for `rows` rows of x (4 for more: the caller's GROUP). */
-#define DEFINE_CHANNEL(ISA, KIND)                                                                    \
+/* A path's channel function: its variant for `rows` rows of x (at most the caller's row group,
+ * four, or three where the registers hold no more: see row_group in gemv). */
+#define DEFINE_CHANNEL(ISA, KIND, R4)                                                                \
     static void ISA##_##KIND(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs, \
                              Py_ssize_t group, float *acc) {                                         \
         switch (rows) {                                                                              \
             case 1: ISA##_group1_##KIND(x, k, w, gs, group, acc); break;                             \
             case 2: ISA##_group2_##KIND(x, k, w, gs, group, acc); break;                             \
             case 3: ISA##_group3_##KIND(x, k, w, gs, group, acc); break;                             \
-            default: ISA##_group4_##KIND(x, k, w, gs, group, acc); break;                            \
+            default: R4; break;                                                                      \
         }                                                                                            \
     }
+#define DEFINE_CHANNEL4(ISA, KIND) DEFINE_CHANNEL(ISA, KIND, ISA##_group4_##KIND(x, k, w, gs, group, acc))
+/* Every path with two accumulators per row, one to four rows at once. */
 #define DEFINE_KIND(ISA, KIND, OPS)                                                                  \
-    DEFINE_GROUP(ISA, 1, KIND, OPS)                                                                  \
-    DEFINE_GROUP(ISA, 2, KIND, OPS)                                                                  \
-    DEFINE_GROUP(ISA, 3, KIND, OPS)                                                                  \
-    DEFINE_GROUP(ISA, 4, KIND, OPS)                                                                  \
-    DEFINE_CHANNEL(ISA, KIND)
+    DEFINE_GROUP(ISA, 1, KIND, 2, OPS)                                                               \
+    DEFINE_GROUP(ISA, 2, KIND, 2, OPS)                                                               \
+    DEFINE_GROUP(ISA, 3, KIND, 2, OPS)                                                               \
+    DEFINE_GROUP(ISA, 4, KIND, 2, OPS)                                                               \
+    DEFINE_CHANNEL4(ISA, KIND)
+/* AVX2 without group scales: four accumulators per row. A row's multiply-adds into one accumulator
+ * wait on each other, so with one row two accumulators leave the core idle for the adder's latency
+ * (AVX2's 8-wide widening is cheap enough to expose it). Its 16 registers then hold three rows'
+ * accumulators and four widened weights, so the caller hands it three rows at a time. With group
+ * scales a group's sums are added up every few blocks, where two accumulators cost less. */
+#define DEFINE_KIND_FOUR_SUMS(ISA, KIND, OPS)                                                        \
+    DEFINE_GROUP(ISA, 1, KIND, 4, OPS)                                                               \
+    DEFINE_GROUP(ISA, 2, KIND, 4, OPS)                                                               \
+    DEFINE_GROUP(ISA, 3, KIND, 4, OPS)                                                               \
+    DEFINE_CHANNEL(ISA, KIND, ISA##_group3_##KIND(x, k, w, gs, group, acc))
 DEFINE_KIND(avx2, i8, AVX2_OPS)
 DEFINE_KIND(avx2, bf16, AVX2_OPS)
+DEFINE_KIND_FOUR_SUMS(avx2x4, i8, AVX2_OPS)
+DEFINE_KIND_FOUR_SUMS(avx2x4, bf16, AVX2_OPS)
 DEFINE_KIND(avx512, i8, AVX512_OPS)
 DEFINE_KIND(avx512, bf16, AVX512_OPS)
 
@@ -327,8 +344,8 @@ DEFINE_BF16DOT_ROWS(2)
 DEFINE_BF16DOT_ROWS(3)
 DEFINE_BF16DOT_ROWS(4)
 
-DEFINE_CHANNEL(bf16dot, i8)
-DEFINE_CHANNEL(bf16dot, bf16)
+DEFINE_CHANNEL4(bf16dot, i8)
+DEFINE_CHANNEL4(bf16dot, bf16)
 
 /* int8 weights with bf16 group scales: each weight is first dequantized to bf16 as dequantize()
  * does (the int8 times its group's scale, exact in float32, rounded to nearest even), then
@@ -363,7 +380,7 @@ DEFINE_BF16DOT_DEQUANT(1)
 DEFINE_BF16DOT_DEQUANT(2)
 DEFINE_BF16DOT_DEQUANT(3)
 DEFINE_BF16DOT_DEQUANT(4)
-DEFINE_CHANNEL(bf16dot, i8g)
+DEFINE_CHANNEL4(bf16dot, i8g)
 
 typedef void (*channel_fn)(const void *x, int rows, Py_ssize_t k, const void *w, const uint16_t *gs,
                            Py_ssize_t group, float *acc);
@@ -483,7 +500,7 @@ static inline void store_channel(const output_t *o, const float *acc, int g, int
     for (Py_ssize_t i = 0; i < o->side_c; i++) {
         const float *xs = o->side_x + i * o->side_ld + r;
         const float w = o->side_w[j * o->side_c + i];
-        for (int m = 0; m < GROUP; m++) side[m] += xs[m] * w;
+        for (int m = 0; m < g; m++) side[m] += xs[m] * w;
     }
     for (int m = 0; m < g; m++) {
         float v = o->scale ? acc[m] * s : acc[m];
@@ -543,14 +560,19 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                           y_bf16,
                           n};
     static const channel_fn CHANNELS[4][2] = {{scalar_i8, scalar_bf16},
-                                              {avx2_i8, avx2_bf16},
+                                              {avx2x4_i8, avx2x4_bf16},
                                               {avx512_i8, avx512_bf16},
                                               {bf16dot_i8, bf16dot_bf16}};
     if (isa == 3 && !x_bf16) isa = 2; /* vdpbf16ps would round a float32 x */
     /* int8 with group scales on AVX512-BF16: dequantized to bf16 first (bf16dot_i8g). */
     const int dequant = isa == 3 && w_kind == 0 && group;
-    const channel_fn channel = dequant ? bf16dot_i8g : CHANNELS[isa][w_kind];
+    static const channel_fn AVX2_GROUPED[2] = {avx2_i8, avx2_bf16}; /* two sums per row */
+    const channel_fn channel = dequant                ? bf16dot_i8g
+                               : isa == 1 && group    ? AVX2_GROUPED[w_kind]
+                                                      : CHANNELS[isa][w_kind];
     const int widen_once = isa == 3 && w_kind == 0 && rows > GROUP;
+    /* Rows of x summed together: AVX2's four accumulators per row leave registers for three. */
+    const int row_group = channel == avx2x4_i8 || channel == avx2x4_bf16 ? 3 : GROUP;
     const size_t wsize = w_kind == 0 ? 1 : 2;
     const char *w = (const char *)(uintptr_t)w_addr;
     void *copy = NULL; /* x as the channel function reads it, where that is not x itself */
@@ -597,8 +619,8 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                                         scratch);
                 else if (scratch)
                     widen_channels_i8((const int8_t *)w + j0 * ldw, ldw, k, j1 - j0, scratch);
-                for (int r = 0; r < rows; r += GROUP) {
-                    int g = rows - r < GROUP ? rows - r : GROUP;
+                for (int r = 0; r < rows; r += row_group) {
+                    int g = rows - r < row_group ? rows - r : row_group;
                     const char *xr = (const char *)x + (size_t)r * (size_t)k * xsize;
                     for (Py_ssize_t j = j0; j < j1;) {
                         /* The scratch holds bf16 weights, any group scales applied: no scales there. */
