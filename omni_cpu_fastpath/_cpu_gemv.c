@@ -150,10 +150,11 @@ __attribute__((target(AVX512))) static inline __m512 widen16_bf16(const void *w,
                 VEC w0 = WIDEN##_##KIND(w, i);                                                       \
                 for (int m = 0; m < R; m++) a[0][m] = FMADD(w0, LOADU(x + (Py_ssize_t)m * k + i), a[0][m]); \
             }                                                                                        \
+            VEC sc = gs ? SET1(bf16_to_float(gs[g0 / group])) : ZERO();                              \
             for (int m = 0; m < R; m++) {                                                            \
                 VEC s = NACC == 4 ? ADD(ADD(a[0][m], a[1][m]), ADD(a[2 % NACC][m], a[3 % NACC][m]))  \
                                   : ADD(a[0][m], a[1][m]);                                           \
-                t[m] = gs ? FMADD(s, SET1(bf16_to_float(gs[g0 / group])), t[m]) : s;                 \
+                t[m] = gs ? FMADD(s, sc, t[m]) : s;                                                  \
             }                                                                                        \
         }                                                                                            \
         for (int m = 0; m < R; m++) {                                                                \
@@ -560,19 +561,20 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                           y_bf16,
                           n};
     static const channel_fn CHANNELS[4][2] = {{scalar_i8, scalar_bf16},
-                                              {avx2x4_i8, avx2x4_bf16},
+                                              {avx2_i8, avx2_bf16},
                                               {avx512_i8, avx512_bf16},
                                               {bf16dot_i8, bf16dot_bf16}};
     if (isa == 3 && !x_bf16) isa = 2; /* vdpbf16ps would round a float32 x */
     /* int8 with group scales on AVX512-BF16: dequantized to bf16 first (bf16dot_i8g). */
     const int dequant = isa == 3 && w_kind == 0 && group;
-    static const channel_fn AVX2_GROUPED[2] = {avx2_i8, avx2_bf16}; /* two sums per row */
-    const channel_fn channel = dequant                ? bf16dot_i8g
-                               : isa == 1 && group    ? AVX2_GROUPED[w_kind]
-                                                      : CHANNELS[isa][w_kind];
+    /* AVX2 without group scales: four sums per row, three rows at a time (DEFINE_KIND_FOUR_SUMS). */
+    static const channel_fn AVX2_FOUR_SUMS[2] = {avx2x4_i8, avx2x4_bf16};
+    const int four_sums = isa == 1 && !group;
+    const channel_fn channel = dequant     ? bf16dot_i8g
+                               : four_sums ? AVX2_FOUR_SUMS[w_kind]
+                                           : CHANNELS[isa][w_kind];
     const int widen_once = isa == 3 && w_kind == 0 && rows > GROUP;
-    /* Rows of x summed together: AVX2's four accumulators per row leave registers for three. */
-    const int row_group = channel == avx2x4_i8 || channel == avx2x4_bf16 ? 3 : GROUP;
+    const int row_group = four_sums ? 3 : GROUP; /* rows of x summed together */
     const size_t wsize = w_kind == 0 ? 1 : 2;
     const char *w = (const char *)(uintptr_t)w_addr;
     void *copy = NULL; /* x as the channel function reads it, where that is not x itself */
