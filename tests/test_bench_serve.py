@@ -359,6 +359,17 @@ def test_ttfa_floor_takes_the_peak_of_the_dtype_the_prefill_multiplies_in() -> N
     )
     int8 = "model dtype (bfloat16; quantization: omni_cpu_talker_w8_group)"
     assert serve.prefill_dtype(served(**bf16, **{"talker.prefill": int8})) == "bfloat16"
+    # w8-group where the CPU emulates bf16: a prompt's weights dequantized to float32 for its GEMM,
+    # so the float32 peak bounds it, whatever the model's dtype.
+    group = "w8-group (112 decoder linears, scales per 64 input weights"
+
+    def w8_group(product: str) -> dict[str, dict[str, str]]:
+        return served(**bf16, **{"talker.prefill": int8, "talker.int8": f"{group}, {product})"})
+
+    beyond = "C kernel ({}) for 1-32 rows, dequantized to {} beyond"
+    assert serve.prefill_dtype(w8_group(beyond.format("avx2", "float32"))) == "float32"
+    assert serve.prefill_dtype(w8_group(beyond.format("avx512", "bf16"))) == "bfloat16"
+    assert serve.prefill_dtype(w8_group("C kernel (avx512bf16) for every row count")) == "bfloat16"
     fp32_prefill = (
         "fp32 from 16 rows (112 decoder linears; 1-8 rows: C kernel (avx2); other rows in bfloat16)"
     )

@@ -28,6 +28,7 @@ import pytest
 from cpu_helpers import auto_talker_int8_by_cpuinfo, native_bf16_by_cpuinfo
 
 from omni_cpu_fastpath import step_stats
+from omni_cpu_fastpath.bench import serve as bench_serve
 from omni_cpu_fastpath.serving import commands as serving
 from omni_cpu_fastpath.serving import core_sharing, stage_settings
 
@@ -468,6 +469,10 @@ def test_served_path_records_the_model_timers_and_components(server):
     else:
         assert talker["talker.int8"] == "off"
         assert talker["talker.prefill"].startswith("fp32 from 16 rows ("), talker
+    # bench serve's time-to-first-audio floor takes the peak of the dtype the prefill multiplies
+    # in: float32 wherever the CPU emulates bf16 (the fp32 prefill, or w8-group dequantized to it).
+    prefill = bench_serve.prefill_dtype({"talker": talker})
+    assert prefill == ("bfloat16" if native_bf16_by_cpuinfo() else "float32"), talker
     assert talker["predictor.compile"] == "off"
     assert talker["predictor.parity"].startswith("on")
     assert talker["sampler"] == "CpuSampler (C kernel)"

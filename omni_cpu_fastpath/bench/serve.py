@@ -30,9 +30,9 @@ each floor was measured on, so no schedule runs them faster than that, and an RT
 cannot be met with these weight formats on this machine. ``ttfa_floor_ms`` likewise bounds the time
 to first audio: the talker's prefill of the prompt (``prefill_tokens``, from the runner's
 ``engine.scheduled_tokens``) at the measured peak of the dtype its products run in
-(``prefill_dtype``: float32 where the fp32 prefill serves or the model is float32, else the
-model's dtype, which the int8 talker's prefill dequantizes to), then one frame of every stage at
-its floor.
+(``prefill_dtype``: float32 where the fp32 prefill serves or the model is float32; the dtype the
+int8 talker dequantizes a prompt's weights to, float32 where the CPU emulates bf16; else the
+model's dtype), then one frame of every stage at its floor.
 
 ``processes`` says where the cores went over the measured requests (``bench/cores.py``): each
 server process's share of a core and how often a thread of it was preempted per second.
@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -235,12 +236,15 @@ def _process_of(served: dict[str, dict[str, str]], what: str) -> dict[str, str]:
 
 def prefill_dtype(served: dict[str, dict[str, str]]) -> str:
     """The dtype the talker's prefill multiplies in, from what the talker recorded: float32 where
-    ``talker.prefill`` says the fp32 prefill serves or ``model.dtype`` is float32; else the
-    model's dtype (bfloat16 for vLLM's linears and for the int8 talker, whose long calls
-    dequantize to it)."""
+    ``talker.prefill`` says the fp32 prefill serves or ``model.dtype`` is float32; for the int8
+    talker, the dtype ``talker.int8`` says a long call is dequantized to (float32 where the CPU
+    emulates bf16); else the model's dtype (bfloat16 for vLLM's linears)."""
     talker = _process_of(served, "talker")
     if talker.get("talker.prefill", "").startswith("fp32 "):
         return "float32"
+    dequantized = re.search(r"dequantized to (bf16|float32)\b", talker.get("talker.int8", ""))
+    if dequantized:
+        return "float32" if dequantized.group(1) == "float32" else "bfloat16"
     return talker.get("model.dtype", "bfloat16")
 
 
