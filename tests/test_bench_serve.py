@@ -340,7 +340,8 @@ def test_ttfa_floor_adds_the_prefill_and_one_frame_per_request(tmp_path: Path) -
 def test_ttfa_floor_takes_the_peak_of_the_dtype_the_prefill_multiplies_in() -> None:
     """What the talker recorded (the strings its served statuses write, as the served tests
     assert them) picks the peak: the fp32 prefill and a float32 model multiply in float32; vLLM's
-    bf16 linears and the int8 talker (dequantized to bf16 for a prefill) in bfloat16."""
+    bf16 linears in bfloat16; the int8 talker in the dtype it dequantizes a prompt's weights to
+    (float32 where the CPU emulates bf16)."""
     talker = "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"
     code2wav = {
         "model": "omni_cpu_fastpath.qwen3_tts.code2wav.FastQwen3TTSCode2Wav",
