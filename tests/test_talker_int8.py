@@ -142,11 +142,16 @@ def test_group_method_matches_float64_of_dequantized_weights(dtype: str) -> None
     import torch
 
     from omni_cpu_fastpath import cpu_gemv
-    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import GROUP_SIZE, GROUPED_KERNEL_MAX_ROWS
+    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import (
+        GROUP_SIZE,
+        GROUPED_KERNEL_MAX_ROWS,
+        PREFILL_BLOCK_CHANNELS,
+    )
 
     torch.manual_seed(3)
     dt = getattr(torch, dtype)
-    n, k = 80, 256
+    # Output channels for two whole blocks of a long prefill and part of a third.
+    n, k = 2 * PREFILL_BLOCK_CHANNELS + 88, 256
     w = torch.randn(n, k) * 0.02
     w[:, 70] = 0.5  # one large weight column: only its own group's scales should grow
     w[9, 128:192] = 0.0  # an all-zero group (scale 1, not 0/0)

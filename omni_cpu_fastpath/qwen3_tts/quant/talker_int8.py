@@ -100,6 +100,8 @@ GROUP_SIZE = 64
 # Rows up to which ``w8-group`` multiplies through the kernel where it widens int8 to float32
 # (no AVX512-BF16); more are dequantized first (:func:`long_prefill_dtype`).
 GROUPED_KERNEL_MAX_ROWS = 32
+# Output channels dequantized per GEMM beyond those rows (a few MB of float weights at a time).
+PREFILL_BLOCK_CHANNELS = 256
 
 # The talker's decoder linears: vLLM's Qwen3Model under the talker's "model" prefix. The code
 # predictor's layers ("code_predictor.model.layers...") are nn.Linear and never reach here.
@@ -284,7 +286,15 @@ def _grouped_kernel(
     if x2.shape[0] <= GROUPED_KERNEL_MAX_ROWS or cpu_gemv.multiplies_bf16_natively():
         return cpu_gemv.gemv(x2, qweight, scales, float_cols=float_cols, float_weight=float_weight)
     dtype = long_prefill_dtype()
-    y = F.linear(x2.to(dtype).contiguous(), cpu_gemv.dequantize(qweight, scales, dtype)).to(x2.dtype)
+    xd = x2.to(dtype).contiguous()
+    n = qweight.shape[0]
+    y = torch.empty(x2.shape[0], n, dtype=dtype)
+    # A block of output channels at a time: its dequantized weights stay in cache for the GEMM that
+    # reads them, where a whole layer's would be written to fresh memory and read back.
+    for j in range(0, n, PREFILL_BLOCK_CHANNELS):
+        block = slice(j, j + PREFILL_BLOCK_CHANNELS)
+        y[:, block] = F.linear(xd, cpu_gemv.dequantize(qweight[block], scales[block], dtype))
+    y = y.to(x2.dtype)
     if float_cols is not None:
         y = y + float_columns_product(x2, float_cols, float_weight).to(y.dtype)
     return y
