@@ -367,6 +367,24 @@ def split_by_code2wav(
     return {k: {name: summarize(v) for name, v in half.items()} for k, half in pooled.items()}
 
 
+def prompt_steps(
+    directory: str | os.PathLike[str], since: float | None = None
+) -> dict[str, dict[str, float]]:
+    """The talker's steps that ran prompt rows only (a request's prefill, made no frame), as
+    ``{counter: summary}`` for ``model.forward_ms`` and ``engine.scheduled_tokens``: what a
+    request's first audio waits for first, and what the talker forward's mean per frame holds
+    besides its decode steps. A prompt scheduled beside decode rows shares their step and is not
+    counted here. ``since`` as for :func:`summarize_dir`.
+    """
+    pooled: dict[str, list[float]] = {}
+    for entry in _entries(directory, since):
+        values = entry["values"]
+        if MODEL_FORWARD in values and ENGINE_TOKENS in values and MODEL_TALKER_MTP not in values:
+            for name in (MODEL_FORWARD, ENGINE_TOKENS):
+                pooled.setdefault(name, []).extend(values[name])
+    return {name: summarize(vals) for name, vals in pooled.items()}
+
+
 def _entries(directory: str | os.PathLike[str], since: float | None) -> Iterator[dict[str, Any]]:
     """Every step line of a stats folder (``since``: ended at or after it)."""
     path = Path(directory)

@@ -146,6 +146,40 @@ def test_talker_steps_split_by_a_code2wav_decode_beside_them(tmp_path: Path) -> 
     assert serve.format_code2wav_split(no_decodes).splitlines()[2].split()[-3:] == ["0", "-", "-"]
 
 
+def test_prefill_row_takes_the_steps_that_ran_prompt_rows_alone(tmp_path: Path) -> None:
+    from omni_cpu_fastpath.bench.floor import talker_prefill_flops
+    from omni_cpu_fastpath.testing.checkpoint import build_config
+
+    frame = {"model.talker_mtp_ms": [40.0], "engine.gap_ms": [2.0]}
+    _write_lines(
+        tmp_path / "31.jsonl",
+        31,
+        [
+            (90.0, {"model.forward_ms": [5000.0]}),  # the start-up dummy run: no tokens scheduled
+            (150.0, {"model.forward_ms": [900.0], "engine.scheduled_tokens": [100.0]}),  # warm-up
+            (201.0, {"model.forward_ms": [300.0], "engine.scheduled_tokens": [40.0]}),
+            (202.0, {**frame, "model.forward_ms": [20.0], "engine.scheduled_tokens": [1.0]}),
+            (203.0, {"model.forward_ms": [500.0], "engine.scheduled_tokens": [60.0]}),
+            # A prompt scheduled beside a decode row: the step made a frame, so it is not counted.
+            (204.0, {**frame, "model.forward_ms": [700.0], "engine.scheduled_tokens": [81.0]}),
+        ],
+    )
+    _write_lines(tmp_path / "32.jsonl", 32, [(202.5, {"code2wav.forward_ms": [100.0]})])
+    prompt = step_stats.prompt_steps(tmp_path, since=200.0)
+    assert prompt["model.forward_ms"]["count"] == 2 and prompt["model.forward_ms"]["mean"] == 400.0
+    assert prompt["engine.scheduled_tokens"]["mean"] == 50.0
+    config = build_config("0.6b")
+    row = serve.prefill_row(config, prompt, peak_gflops=100.0)
+    assert row is not None and row["steps"] == 2 and row["ms_p50"] == 400.0 and row["tokens"] == 50.0
+    # The floor of a step of the mean tokens: its FLOPs at the peak (100 GFLOP/s: 1 GFLOP in 10 ms).
+    assert row["floor_ms"] == pytest.approx(talker_prefill_flops(config, 50) / 1e8)
+    assert "2 step(s)" in serve.format_prefill(row) and "median 400.0 ms" in serve.format_prefill(row)
+    # Without since, the warm-up's prompt counts too; a folder without one gives no row.
+    assert step_stats.prompt_steps(tmp_path)["model.forward_ms"]["count"] == 3
+    assert serve.prefill_row(config, step_stats.prompt_steps(tmp_path, since=1000.0), 100.0) is None
+    assert "no step" in serve.format_prefill(None)
+
+
 def test_absent_counters_read_as_dash(tmp_path: Path) -> None:
     # A stock run without the code2wav timer, nor a gap (an older runner).
     _write_lines(tmp_path / "1.jsonl", 1, [(1.0, {"model.forward_ms": [8.0]})])

@@ -445,6 +445,12 @@ def test_served_path_records_the_model_timers_and_components(server):
     ]
     assert tokens and all(len(t) == 1 for t in tokens), tokens
     assert tokens[0][0] > 1 and {t[0] for t in tokens[1:]} == {1.0}, tokens
+    # bench serve's prefill row: that first step alone, its prompt and its forward.
+    prompt = step_stats.prompt_steps(stats_dir, since=sent_from)
+    first = next(ln["values"] for ln in lines if ln["ts"] >= sent_from and "model.forward_ms" in ln["values"])
+    assert prompt["engine.scheduled_tokens"]["count"] == 1, prompt
+    assert prompt["engine.scheduled_tokens"]["mean"] == tokens[0][0]
+    assert prompt["model.forward_ms"]["mean"] == first["model.forward_ms"][0]
     # What served, as the talker recorded it and logged it in one line at load.
     (talker,) = [c for c in step_stats.served_dir(stats_dir).values() if "talker" in c["model"].lower()]
     assert talker["model"] == "omni_cpu_fastpath.qwen3_tts.talker.FastQwen3TTSTalker"

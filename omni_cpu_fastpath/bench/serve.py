@@ -34,6 +34,11 @@ to first audio: the talker's prefill of the prompt (``prefill_tokens``, from the
 int8 talker dequantizes a prompt's weights to, float32 where the CPU emulates bf16; else the
 model's dtype), then one frame of every stage at its floor.
 
+``prefill`` times the talker's steps that ran prompt rows alone (each request's prefill where
+requests arrive one at a time): their median forward beside the floor of a step of their mean
+tokens, so the prefill's share of the time to first audio, and of the talker forward's mean per
+frame, can be read apart from the decode steps.
+
 ``processes`` says where the cores went over the measured requests (``bench/cores.py``): each
 server process's share of a core and how often a thread of it was preempted per second.
 
@@ -195,6 +200,39 @@ def ttfa_floor_ms(
         return None
     prefill_ms = talker_prefill_flops(config, prefill_tokens) / (peak_gflops * 1e9) * 1e3
     return prefill_ms + frame * FRAME_MS * concurrency
+
+
+def prefill_row(
+    config: dict[str, Any], prompt: dict[str, dict[str, float]], peak_gflops: float
+) -> dict[str, Any] | None:
+    """The talker's prompt-only steps (:func:`~omni_cpu_fastpath.step_stats.prompt_steps`): how
+    many, their mean tokens, the median and mean ms of their forward, and the floor of a step of
+    that many tokens (its FLOPs at ``peak_gflops``, as in :func:`ttfa_floor_ms`). None where the
+    measured requests had none."""
+    from .floor import talker_prefill_flops
+
+    forward = prompt.get(step_stats.MODEL_FORWARD, {})
+    tokens = prompt.get(step_stats.ENGINE_TOKENS, {})
+    if not forward.get("count") or not tokens.get("count"):
+        return None
+    floor_ms = talker_prefill_flops(config, round(tokens["mean"])) / (peak_gflops * 1e9) * 1e3
+    return {
+        "steps": int(forward["count"]),
+        "tokens": tokens["mean"],
+        "ms_p50": forward["p50"],
+        "ms_mean": forward["mean"],
+        "floor_ms": floor_ms,
+    }
+
+
+def format_prefill(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "  talker prefill: no step ran prompt rows alone"
+    return (
+        f"  talker prefill: {row['steps']} step(s) of prompt rows alone, {row['tokens']:.0f} tokens on "
+        f"average, median {row['ms_p50']:.1f} ms, mean {row['ms_mean']:.1f} (floor {row['floor_ms']:.1f} "
+        f"ms, x{row['ms_p50'] / row['floor_ms']:.2f})"
+    )
 
 
 def _cell(value: float | None, fmt: str, suffix: str = "") -> str:
@@ -397,6 +435,7 @@ def bench_impl(
         "stats_dir": str(stats_dir),
         "summary": summary,
         "beside_code2wav": step_stats.split_by_code2wav(stats_dir, since=measured_from),
+        "prompt_steps": step_stats.prompt_steps(stats_dir, since=measured_from),
         "processes": procs,
         "served": step_stats.served_dir(stats_dir),
     }
@@ -477,6 +516,7 @@ def cli(args: argparse.Namespace) -> int:
                 concurrency,
                 prefill_peak.best_gflops,
             )
+            r["prefill"] = prefill_row(config, r.pop("prompt_steps"), prefill_peak.best_gflops)
             r["counters"] = _counters(r.pop("summary"))
             r.pop("stats_dir")
             r.update(
@@ -519,6 +559,7 @@ def cli(args: argparse.Namespace) -> int:
         )
         print(format_stage_table(r["stages"]))
         print(format_code2wav_split(r["beside_code2wav"]))
+        print(format_prefill(r["prefill"]))
         print(f"\n{r['impl']}: where the cores went while the requests ran")
         print(cores.format_cores_table(r["processes"]))
     print(
