@@ -193,13 +193,17 @@ def ttfa_floor_ms(
     of ``concurrency`` requests (their first chunk is one frame). ``prefill_tokens``: the largest
     talker step's tokens (every prompt of a round, where they were scheduled together). None when
     a stage has no floor."""
-    from .floor import talker_prefill_flops
-
     frame = floor_rtf(rows)
     if frame is None or prefill_tokens < 1:
         return None
-    prefill_ms = talker_prefill_flops(config, prefill_tokens) / (peak_gflops * 1e9) * 1e3
-    return prefill_ms + frame * FRAME_MS * concurrency
+    return prefill_floor_ms(config, prefill_tokens, peak_gflops) + frame * FRAME_MS * concurrency
+
+
+def prefill_floor_ms(config: dict[str, Any], tokens: int, peak_gflops: float) -> float:
+    """The talker's prefill of ``tokens`` prompt tokens at ``peak_gflops``, in ms."""
+    from .floor import talker_prefill_flops
+
+    return talker_prefill_flops(config, tokens) / (peak_gflops * 1e9) * 1e3
 
 
 def prefill_row(
@@ -209,19 +213,16 @@ def prefill_row(
     many, their mean tokens, the median and mean ms of their forward, and the floor of a step of
     that many tokens (its FLOPs at ``peak_gflops``, as in :func:`ttfa_floor_ms`). None where the
     measured requests had none."""
-    from .floor import talker_prefill_flops
-
     forward = prompt.get(step_stats.MODEL_FORWARD, {})
     tokens = prompt.get(step_stats.ENGINE_TOKENS, {})
     if not forward.get("count") or not tokens.get("count"):
         return None
-    floor_ms = talker_prefill_flops(config, round(tokens["mean"])) / (peak_gflops * 1e9) * 1e3
     return {
         "steps": int(forward["count"]),
         "tokens": tokens["mean"],
         "ms_p50": forward["p50"],
         "ms_mean": forward["mean"],
-        "floor_ms": floor_ms,
+        "floor_ms": prefill_floor_ms(config, round(tokens["mean"]), peak_gflops),
     }
 
 
