@@ -58,7 +58,7 @@ class Flag:
 INT8_VARIANTS = ("off", "ao-dynamic", "ao-nohead", "torchao-w8", "w8-channel", "w8-bf16head")
 # Schemes of the talker's decoder linears; each is a vLLM quantization method registered by
 # ``qwen3_tts/quant/talker_int8.py`` (names in ``serving/stage_settings.py``).
-TALKER_INT8_SCHEMES = ("auto", "off", "w8-channel", "w8-plain", "w8-group")
+TALKER_INT8_SCHEMES = ("auto", "off", "w8-channel", "w8-plain", "w8-group", "w8-group-a8")
 
 FLAGS: dict[str, Flag] = {
     f.name: f
@@ -111,7 +111,10 @@ FLAGS: dict[str, Flag] = {
             "auto",
             "int8 scheme for the talker's decoder linears (vLLM quantization method, talker stage only); "
             "w8-channel keeps outlier input columns in fp32, w8-plain does not, w8-group is w8-channel with "
-            "a scale per 64 input weights (it passes the parity rule). auto: w8-group where the package's "
+            "a scale per 64 input weights (it passes the parity rule), w8-group-a8 is w8-group with a "
+            "long prefill on a CPU that emulates bf16 multiplied as int8 activations (7 bits per token) "
+            "by per-channel int8 weights in the linears behind an RMSNorm (faster first audio; parity "
+            "measured by `parity --talker`). auto: w8-group where the package's "
             "kernel serves and multiplies bf16 by AVX512-BF16 (then every row, a prompt's prefill too, is "
             "summed as a decode row, so audio does not depend on the batch) on a CPU without AMX (whose "
             "tiles prefill the bf16 talker several times faster), or on a CPU that emulates bf16 (AVX2) "

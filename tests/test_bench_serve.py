@@ -413,6 +413,43 @@ def test_ttfa_floor_takes_the_peak_of_the_dtype_the_prefill_multiplies_in() -> N
     # The stock talker records no prefill status: its model dtype.
     stock = {"model": "vllm_omni.model_executor.models.qwen3_tts.Qwen3TTSTalkerForConditionalGeneration"}
     assert serve.prefill_dtype({"1": code2wav, "2": {**stock, **bf16}}) == "bfloat16"
+    # w8-group-a8 where its int8 prefill serves: int8 activations in the linears behind an RMSNorm.
+    a8 = beyond.format("avx2", "float32") + "; int8 activations for a long prefill of 56 linears (oneDNN)"
+    assert serve.prefill_dtype(w8_group(a8)) == serve.INT8_PREFILL
+    native = "C kernel (avx512bf16) for every row count; no int8 prefill (the CPU multiplies bf16 natively)"
+    assert serve.prefill_dtype(w8_group(native)) == "bfloat16"
+
+
+def test_int8_prefill_peak_weighs_the_two_rates_by_their_flops() -> None:
+    """w8-group-a8's prefill: qkv_proj and gate_up_proj (by hand at 0.6B: 1024 x 4096 and
+    1024 x 6144 per layer) at the int8 peak, every other FLOP at float32's; one rate for the whole
+    prefill, as the time both take. Other dtypes take their own peak."""
+    from omni_cpu_fastpath.bench.floor import talker_norm_fed_prefill_flops, talker_prefill_flops
+    from omni_cpu_fastpath.testing.checkpoint import build_config
+
+    config = build_config("0.6b")
+    norm_fed = 2 * 28 * (1024 * 4096 + 1024 * 6144)
+    assert talker_norm_fed_prefill_flops(config, 1) == norm_fed
+    assert talker_norm_fed_prefill_flops(config, 100) == 100 * norm_fed
+    peaks = {"float32": 100.0, "bfloat16": 40.0, "int8": 400.0}
+    total = talker_prefill_flops(config, 100)
+    seconds = 100 * norm_fed / 400e9 + (total - 100 * norm_fed) / 100e9
+    assert serve.prefill_peak_gflops(config, serve.INT8_PREFILL, peaks) == pytest.approx(
+        total / seconds / 1e9
+    )
+    assert 100.0 < serve.prefill_peak_gflops(config, serve.INT8_PREFILL, peaks) < 400.0
+    assert serve.prefill_peak_gflops(config, "bfloat16", peaks) == 40.0
+    assert serve.prefill_peak_gflops(config, "float32", peaks) == 100.0
+
+
+def test_int8_peak_is_measured_on_the_prefills_own_kernel() -> None:
+    """The int8 GEMM's rate is measured (not assumed) on the kernel w8-group-a8 prefills with,
+    which runs on this CPU. (How it compares with float32's is a figure, left to the bench.)"""
+    from omni_cpu_fastpath.bench.floor import measure_int8_peak
+
+    int8 = measure_int8_peak(repeats=2)
+    assert int8 is not None and int8.kernel == "qlinear_1024"
+    assert int8.best_gflops > 0 and int8.per_kernel_gflops == {"qlinear_1024": int8.best_gflops}
 
 
 def test_a_failed_servers_first_error_is_printed_before_the_end_of_its_log() -> None:

@@ -23,10 +23,10 @@ METHOD = stage_settings.TALKER_INT8_METHODS["w8-channel"]
 # --- the linear method against float64 ---------------------------------------------------------
 
 
-def _method_layer(weight, float_columns=False, gain=None, group_size=0):
+def _method_layer(weight, float_columns=False, gain=None, group_size=0, int8_prefill=False):
     """A module with ``TalkerW8LinearMethod``'s weights, loaded and processed as vLLM's loader does
     (``float_columns``: ``w8-channel``, else ``w8-plain``; ``gain``: the RMSNorm gain the talker
-    hands it between loading and processing)."""
+    hands it between loading and processing; ``int8_prefill``: ``w8-group-a8``)."""
     import torch
     from torch import nn
     from vllm.config import VllmConfig
@@ -37,7 +37,7 @@ def _method_layer(weight, float_columns=False, gain=None, group_size=0):
 
     with set_current_vllm_config(VllmConfig()):
         ensure_single_process_world()
-    method = TalkerW8LinearMethod(float_columns=float_columns, group_size=group_size)
+    method = TalkerW8LinearMethod(float_columns, group_size, int8_prefill)
     layer = nn.Module()
     n, k = weight.shape
     method.create_weights(layer, k, [n], k, n, weight.dtype, weight_loader=lambda p, w: p.data.copy_(w))
@@ -210,22 +210,138 @@ def test_group_method_matches_float64_of_dequantized_weights(dtype: str) -> None
     assert (slow.double() - ref).abs().max() / ref.abs().max() < 2**-7
 
 
-def test_group_method_compiles_to_one_graph_with_the_eager_arithmetic() -> None:
+def _quantized_rows_float64(x, cols):
+    """Each row of ``x`` over 127 levels by its own maximum (``cols`` zeroed), in float64."""
+    import torch
+
+    xr = x.double().clone()
+    xr[:, cols] = 0
+    scales = xr.abs().amax(dim=1) / 63
+    return torch.round(xr / scales[:, None]).clamp(-63, 63), scales
+
+
+def test_int8_prefill_sums_its_integers_exactly() -> None:
+    """w8-group-a8's prefill GEMM: oneDNN runs here and passed its own check; the result is float64's
+    product of the same integers (each row over 127 levels by its own maximum, outlier columns
+    left out; weights per output channel from the float weights) rounded once to bf16, and the
+    integers are float64's own roundings. Against the exact float product its error is a few
+    percent: the activations' 127 levels, not noise (a control on the float32 weights)."""
+    import torch
+
+    from omni_cpu_fastpath.qwen3_tts.quant import int8_prefill
+
+    assert int8_prefill.status() is None  # x86 with oneDNN: the kernel must serve and sum exactly
+    # vLLM loads (and processes) a model's weights under its dtype as torch's default.
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        assert int8_prefill._self_check() is None
+    finally:
+        torch.set_default_dtype(before)
+    torch.manual_seed(7)
+    n, k, rows = 96, 256, 100
+    w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+    cols = torch.tensor([5, 200])
+    x = torch.randn(rows, k)
+    x[:, cols] *= 30  # outlier channels: left to the float columns, they set no row's scale
+    x = x.to(torch.bfloat16)
+    qweight = torch.zeros(n, k, dtype=torch.int8)  # the layer's w8-group weight: only its identity counts
+    assert int8_prefill.packed_for(qweight) is None
+    assert int8_prefill.pack_prefill_weight(qweight, w, cols)
+    assert int8_prefill.packed_for(torch.zeros(n, k, dtype=torch.int8)) is None  # another tensor
+
+    qx, sx = _quantized_rows_float64(x, cols)
+    got_q, got_s = int8_prefill.quantize_rows(x, cols)
+    assert got_q.dtype == torch.uint8 and got_q.shape == (rows, k)
+    torch.testing.assert_close(got_s.double(), sx, rtol=2**-23, atol=0)
+    # float32's x / s may land a hair on the other side of a half-step: one level, rarely.
+    diff = (got_q.double() - int8_prefill.ZERO_POINT - qx).abs()
+    assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    wr = w.double().clone()
+    wr[:, cols] = 0
+    # Per output channel as the other schemes quantize: scale = row max / 127, in float32.
+    sw = wr.float().abs().amax(dim=1) / 127
+    qw = torch.round(wr.float() / sw[:, None]).clamp(-127, 127).double()
+    sw = sw.double()
+
+    y = int8_prefill.int8_prefill_linear(x, qweight, cols)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    # The same integers as the kernel got, summed in float64: equal up to float32's scaling.
+    exact = (got_q.double() - int8_prefill.ZERO_POINT) @ qw.T * got_s.double()[:, None] * sw[None, :]
+    assert ((y.double() - exact).abs() <= exact.abs() * 2**-8 + 1e-6).all()
+    # Against float64 of the float operands: the activations' rounding, a few percent at most.
+    xf = x.double().clone()
+    xf[:, cols] = 0
+    full = xf @ wr.T
+    err = (y.double() - full).norm() / full.norm()
+    assert 2**-9 < err < 0.03, err
+    control = (xf.float() @ wr.float().T).double()
+    assert (control - full).norm() / full.norm() < 1e-5
+
+
+@pytest.mark.parametrize("gain_fed", [True, False])
+def test_group_a8_method_takes_int8_activations_for_a_long_prefill_only(gain_fed: bool) -> None:
+    """w8-group-a8: where the CPU emulates bf16 (by /proc/cpuinfo), a gain-fed linear's long prefill
+    is the int8 GEMM plus the float columns' share, and every shorter call is w8-group's bit for
+    bit; a linear without a gain (o_proj, down_proj), or any linear where the CPU multiplies bf16
+    natively, is w8-group's for every row count."""
+    import torch
+
+    from omni_cpu_fastpath.qwen3_tts.quant import int8_prefill
+    from omni_cpu_fastpath.qwen3_tts.quant.modules import float_columns_product
+    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import GROUP_SIZE, GROUPED_KERNEL_MAX_ROWS
+
+    torch.manual_seed(11)
+    n, k = 320, 256
+    w = (torch.randn(n, k) * 0.02).to(torch.bfloat16)
+    gain = torch.ones(k)
+    gain[40] = 30.0
+    kw = dict(float_columns=True, gain=gain if gain_fed else None, group_size=GROUP_SIZE)
+    method, layer = _method_layer(w, int8_prefill=True, **kw)
+    twin_method, twin = _method_layer(w, **kw)
+    for name in ("qweight", "scales"):
+        assert torch.equal(getattr(layer, name), getattr(twin, name)), name
+    int8_rows = gain_fed and not native_bf16_by_cpuinfo()
+    assert (int8_prefill.packed_for(layer.qweight) is not None) is int8_rows
+    assert int8_prefill.packed_for(twin.qweight) is None
+    for rows in (1, 8, GROUPED_KERNEL_MAX_ROWS, GROUPED_KERNEL_MAX_ROWS + 1, 100):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        y, group = method.apply(layer, x), twin_method.apply(twin, x)
+        if not (int8_rows and rows > GROUPED_KERNEL_MAX_ROWS):
+            assert torch.equal(y, group), rows
+            continue
+        side = float_columns_product(x, layer.float_cols, layer.float_weight).to(torch.bfloat16)
+        expected = int8_prefill.int8_prefill_linear(x, layer.qweight, layer.float_cols) + side
+        assert torch.equal(y, expected), rows
+        assert not torch.equal(y, group)  # the int8 GEMM really served
+        rel = (y.double() - group.double()).norm() / group.double().norm()
+        assert rel < 0.03, (rows, rel)
+
+
+@pytest.mark.parametrize("scheme", ["w8-group", "w8-group-a8"])
+def test_group_method_compiles_to_one_graph_with_the_eager_arithmetic(scheme: str) -> None:
     """Compiled (as vLLM compiles the talker: traced once, dynamic batch, Inductor), w8-group's
     linear is one graph for every row count, and each count's result is the eager method's bit for
     bit: decode rows, a short prefill and a long one, whichever road the row count takes inside one
-    opaque op. Control: a function that branches on the rows in traced code compiles twice."""
+    opaque op (w8-group-a8's int8 prefill too, for a gain-fed linear). Control: a function that
+    branches on the rows in traced code compiles twice."""
     import torch
     from torch._dynamo.utils import counters
 
+    from omni_cpu_fastpath.qwen3_tts.quant import int8_prefill
     from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import GROUP_SIZE, GROUPED_KERNEL_MAX_ROWS
 
     torch.manual_seed(5)
     n, k = 96, 256
     # No fp32 columns: their side product's add, fused by Inductor, rounds once instead of twice.
-    method, layer = _method_layer(torch.randn(n, k) * 0.02, float_columns=True, group_size=GROUP_SIZE)
+    # w8-group-a8's linear is handed a gain (one without outliers) so that it takes int8 rows.
+    a8 = scheme == "w8-group-a8"
+    gain = torch.ones(k) if a8 else None
+    w = torch.randn(n, k) * 0.02
+    method, layer = _method_layer(w, float_columns=True, gain=gain, group_size=GROUP_SIZE, int8_prefill=a8)
     assert layer.float_cols is None
     assert layer.cpu_gemv, "the kernel is built by setup; this test needs it"
+    assert (int8_prefill.packed_for(layer.qweight) is not None) is (a8 and not native_bf16_by_cpuinfo())
 
     def linear(x: torch.Tensor) -> torch.Tensor:
         return method.apply(layer, x)
@@ -429,7 +545,7 @@ def test_fastpath_off_serves_the_stock_float_talker(tiny_model_dir, tmp_path, mo
     assert config.quant_config is None and config.model_config.quantization is None
     monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", "off")
     assert stage_settings.stage_quantization(stage_settings.QWEN3_TTS_STAGES[0]) is None
-    for scheme in ("w8-channel", "w8-plain", "w8-group"):
+    for scheme in ("w8-channel", "w8-plain", "w8-group", "w8-group-a8"):
         monkeypatch.setenv("VLLM_OMNI_TALKER_INT8", scheme)
         refused = rf"VLLM_OMNI_TALKER_INT8='{scheme}'.*VLLM_OMNI_CPU_FASTPATH='0'"
         with pytest.raises(envs.FlagError, match=refused):
@@ -557,27 +673,36 @@ def test_served_status_names_what_serves_the_few_row_products(tiny_w8_talker, mo
     assert talker_int8.served_status(talker, None) == "off"
 
 
-def test_served_status_of_the_group_scheme(tiny_outlier_model_dir, monkeypatch) -> None:
+@pytest.mark.parametrize("scheme", ["w8-group", "w8-group-a8"])
+def test_served_status_of_the_group_scheme(tiny_outlier_model_dir, monkeypatch, scheme: str) -> None:
     from omni_cpu_fastpath import cpu_gemv
     from omni_cpu_fastpath.qwen3_tts import talker_parity
     from omni_cpu_fastpath.qwen3_tts.quant import talker_int8
 
-    talker, vllm_config = talker_parity.build_talker(tiny_outlier_model_dir, "w8-group")
+    talker, vllm_config = talker_parity.build_talker(tiny_outlier_model_dir, scheme)
     layers = len(talker.model.layers)
     head = (
-        f"w8-group ({4 * layers} decoder linears, scales per {talker_int8.GROUP_SIZE} input weights, "
+        f"{scheme} ({4 * layers} decoder linears, scales per {talker_int8.GROUP_SIZE} input weights, "
         "outlier input columns fp32 from the RMSNorm gains, "
     )
     status = talker_int8.served_status(talker, vllm_config.quant_config)
     rows = talker_int8.GROUPED_KERNEL_MAX_ROWS
+    # w8-group-a8: by /proc/cpuinfo, the int8 prefill of the qkv_proj and gate_up_proj of each layer.
+    a8 = ""
+    if scheme == "w8-group-a8":
+        native = native_bf16_by_cpuinfo()
+        a8 = "; " + (
+            "no int8 prefill (the CPU multiplies bf16 natively)"
+            if native
+            else f"int8 activations for a long prefill of {2 * layers} linears (oneDNN)"
+        )
     if cpu_gemv.multiplies_bf16_natively():
-        assert status == head + f"{cpu_gemv.kernel_name()} for every row count)", status
+        assert status == head + f"{cpu_gemv.kernel_name()} for every row count{a8})", status
     else:
         # Where torch emulates bf16 (by /proc/cpuinfo), a long prefill's GEMM runs in float32.
         beyond = "bf16" if native_bf16_by_cpuinfo() else "float32"
-        assert (
-            status == head + f"{cpu_gemv.kernel_name()} for 1-{rows} rows, dequantized to {beyond} beyond)"
-        ), status
+        kernel = f"{cpu_gemv.kernel_name()} for 1-{rows} rows, dequantized to {beyond} beyond"
+        assert status == head + kernel + a8 + ")", status
     for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         layer = talker.model.layers[0].get_submodule(name)
         assert layer.scales.shape == (
@@ -705,23 +830,45 @@ def test_parity_bounds_on_the_tiny_outliers_checkpoint(tiny_outlier_model_dir: P
     # The outlier columns kept in fp32 are what brings w8-channel closer to fp32.
     assert w8["kl"] < 0.9 * plain["kl"], (w8, plain)
     assert w8["max_logit_diff"] > 0
+    # w8-group-a8: teacher forcing is one long prefill, so where the CPU emulates bf16 every position
+    # went through the int8 activations (measured: top-1 0.961, KL 7.7e-3; against bf16 top-1
+    # 0.938, KL 8.0e-3), lossier than w8-group; elsewhere it is w8-group.
+    a8 = rows["w8-group-a8"]
+    if native_bf16_by_cpuinfo():
+        assert {key: a8[key] for key in group if key != "variant"} == {
+            key: value for key, value in group.items() if key != "variant"
+        }
+    else:
+        assert a8["top1"] >= 0.93 and a8["kl"] < 1.2e-2
+        assert a8["vs_bf16"]["top1"] >= 0.92 and a8["vs_bf16"]["kl"] < 1.2e-2
+        assert a8["kl"] > 2 * group["kl"], (a8, group)
+
+
+# A prompt longer than the few-row kernel's rows, so that w8-group-a8's prefill takes int8 rows.
+LONG_TEXT = (
+    "The quick brown fox jumps over the lazy dog, and the patient reader counts every word of "
+    "this rather long sentence, slowly and carefully, all the way to its very last word."
+)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["w8-group", "w8-group-a8"])
 def test_served_group_scheme_speaks_with_parity_recorded(
-    tiny_outlier_model_dir: Path, tmp_path: Path
+    tiny_outlier_model_dir: Path, tmp_path: Path, scheme: str
 ) -> None:
-    """A live server with VLLM_OMNI_TALKER_INT8=w8-group and the in-situ parity check: it says
-    what serves the talker's linears, every talker forward's codec logits are measured against
-    the bf16 reference of the same layers, and whole frames of audio come back."""
+    """A live server with VLLM_OMNI_TALKER_INT8=w8-group (or w8-group-a8, with a long prompt) and
+    the in-situ parity check: it says what serves the talker's linears, every talker forward's
+    codec logits are measured against the bf16 reference of the same layers, and whole frames of
+    audio come back."""
     from omni_cpu_fastpath import step_stats
-    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import GROUP_SIZE
+    from omni_cpu_fastpath.qwen3_tts.quant.talker_int8 import GROUP_SIZE, GROUPED_KERNEL_MAX_ROWS
     from omni_cpu_fastpath.serving import commands as serving
 
     frames = 8
+    a8 = scheme == "w8-group-a8"
     env = {
         "VLLM_OMNI_CPU_FASTPATH": "1",
-        "VLLM_OMNI_TALKER_INT8": "w8-group",
+        "VLLM_OMNI_TALKER_INT8": scheme,
         "VLLM_OMNI_TALKER_PARITY_CHECK": "1",
         "VLLM_OMNI_STEP_STATS_DIR": str(tmp_path / "stats"),
         "XDG_CACHE_HOME": str(tmp_path / "cache"),
@@ -729,18 +876,28 @@ def test_served_group_scheme_speaks_with_parity_recorded(
     model = tiny_outlier_model_dir
     per_frame = serving.sample_rate_of(model) * 2 // 25  # 80 ms frames
     with serving.running_server(str(model), tmp_path / "server.log", env=env) as server:
-        speech = serving.synthesize(server, "Still speaking.", max_frames=frames, seed=3)
+        text = LONG_TEXT if a8 else "Still speaking."
+        speech = serving.synthesize(server, text, max_frames=frames, seed=3)
     samples = round(speech.audio_s * speech.sample_rate)
     assert samples > 0 and samples % per_frame == 0, (samples, per_frame)
     processes = step_stats.served_dir(tmp_path / "stats").values()
     (talker,) = [p for p in processes if "talker" in p.get("model", "").lower()]
     assert talker["talker.int8"].startswith(
-        f"w8-group (8 decoder linears, scales per {GROUP_SIZE} input weights, outlier input columns fp32"
+        f"{scheme} (8 decoder linears, scales per {GROUP_SIZE} input weights, outlier input columns fp32"
     ), talker
+    if a8:
+        # The gain-fed qkv_proj and gate_up_proj of the tiny talker's two layers, where the CPU
+        # emulates bf16; and the prompt was long enough to take them.
+        int8_rows = "int8 activations for a long prefill of 4 linears (oneDNN))"
+        native = "no int8 prefill (the CPU multiplies bf16 natively))"
+        assert talker["talker.int8"].endswith(native if native_bf16_by_cpuinfo() else int8_rows), talker
+        prompt = step_stats.prompt_steps(tmp_path / "stats")
+        assert prompt["engine.scheduled_tokens"]["max"] > GROUPED_KERNEL_MAX_ROWS, prompt
     assert talker["talker.parity"].startswith("on"), talker
     summary = step_stats.summarize_dir(tmp_path / "stats")
     top1, kl = summary["talker.parity.top1"], summary["talker.parity.kl"]
     assert top1["count"] >= frames
     # The tiny outliers model against its bf16 layers: close, and not identical (int8 serves).
-    assert top1["mean"] >= 0.9 and kl["mean"] < 0.01, (top1, kl)
+    # The int8 activations of a8's prompt positions cost more (parity table above).
+    assert top1["mean"] >= 0.9 and kl["mean"] < (0.02 if a8 else 0.01), (top1, kl)
     assert summary["talker.parity.max_logit_diff"]["max"] > 0.0

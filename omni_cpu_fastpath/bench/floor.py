@@ -185,6 +185,17 @@ def talker_prefill_flops(config: dict[str, Any], tokens: int) -> float:
     return 2.0 * ((talker_params_per_step(config) - head) * tokens + head)
 
 
+def talker_norm_fed_prefill_flops(config: dict[str, Any], tokens: int) -> float:
+    """The part of :func:`talker_prefill_flops` in the linears behind an RMSNorm (``qkv_proj``,
+    ``gate_up_proj``): what talker int8 ``w8-group-a8`` multiplies with int8 activations."""
+    t = config["talker_config"]
+    hidden, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+    head_dim = int(t.get("head_dim") or hidden // heads)
+    qkv = hidden * (heads + 2 * int(t["num_key_value_heads"])) * head_dim
+    gate_up = 2 * hidden * int(t["intermediate_size"])
+    return 2.0 * int(t["num_hidden_layers"]) * (qkv + gate_up) * tokens
+
+
 def predictor_params_per_frame(config: dict[str, Any]) -> int:
     """Weights the code predictor reads per frame (``config.json``), as :func:`params_per_frame`
     counts them on a module: each of the 15 sub-steps reads every layer, one codebook head and,
@@ -286,6 +297,26 @@ def measure_peak(dtype: torch.dtype, repeats: int = 5) -> Peak:
         results["conv1d_384x7"] = flops / _best_time(lambda: F.conv1d(x, w), repeats) / 1e9
     kernel = max(results, key=results.__getitem__)
     return Peak(best_gflops=results[kernel], kernel=kernel, per_kernel_gflops=results)
+
+
+def measure_int8_peak(repeats: int = 5) -> Peak | None:
+    """GOP/s of the int8 GEMM that talker int8 ``w8-group-a8`` prefills with (oneDNN, seven-bit
+    activations: ``int8_prefill.py``) on a square 1024 product; None where it does not run here."""
+    from omni_cpu_fastpath.qwen3_tts.quant import int8_prefill
+
+    if int8_prefill.status() is not None:
+        return None
+    g = torch.Generator().manual_seed(0)
+    w = torch.randint(-127, 128, (1024, 1024), generator=g, dtype=torch.int8)
+    x = torch.randint(0, 2 * int8_prefill.LEVELS + 1, (1024, 1024), generator=g).to(torch.uint8)
+    scales = torch.ones(1024, dtype=torch.float32)
+    packed = int8_prefill.PackedWeight(int8_prefill._pack(w), scales, (1024, 1024))
+    with torch.inference_mode():
+        seconds = _best_time(
+            lambda: int8_prefill._qlinear(x, packed.packed, packed.scales, packed.zero_points), repeats
+        )
+    gops = 2 * 1024**3 / seconds / 1e9
+    return Peak(best_gflops=gops, kernel="qlinear_1024", per_kernel_gflops={"qlinear_1024": gops})
 
 
 # --- bench floors --------------------------------------------------------------------------------

@@ -206,6 +206,20 @@ def prefill_floor_ms(config: dict[str, Any], tokens: int, peak_gflops: float) ->
     return talker_prefill_flops(config, tokens) / (peak_gflops * 1e9) * 1e3
 
 
+def prefill_peak_gflops(config: dict[str, Any], dtype: str, peaks: Mapping[str, float]) -> float:
+    """The rate a prefill in ``dtype`` (:func:`prefill_dtype`) can reach at the measured ``peaks``
+    (GFLOP/s by dtype, ``int8`` for the int8 GEMM): that dtype's peak, or for :data:`INT8_PREFILL`
+    the linears behind an RMSNorm at the int8 peak and the rest at float32's, as one rate."""
+    if dtype != INT8_PREFILL:
+        return peaks.get(dtype, peaks["float32"])
+    from .floor import talker_norm_fed_prefill_flops, talker_prefill_flops
+
+    tokens = 100  # the share barely moves with the prompt's length (the codec head is once)
+    total, int8 = talker_prefill_flops(config, tokens), talker_norm_fed_prefill_flops(config, tokens)
+    seconds = int8 / peaks["int8"] + (total - int8) / peaks["float32"]
+    return total / seconds
+
+
 def prefill_row(
     config: dict[str, Any], prompt: dict[str, dict[str, float]], peak_gflops: float
 ) -> dict[str, Any] | None:
@@ -273,14 +287,21 @@ def _process_of(served: dict[str, dict[str, str]], what: str) -> dict[str, str]:
     return {}
 
 
+# prefill_dtype of a talker whose linears behind an RMSNorm prefill with int8 activations.
+INT8_PREFILL = "int8+float32"
+
+
 def prefill_dtype(served: dict[str, dict[str, str]]) -> str:
     """The dtype the talker's prefill multiplies in, from what the talker recorded: float32 where
     ``talker.prefill`` says the fp32 prefill serves or ``model.dtype`` is float32; for the int8
-    talker, the dtype ``talker.int8`` says a long call is dequantized to (float32 where the CPU
+    talker, :data:`INT8_PREFILL` where ``talker.int8`` says int8 activations serve a long prefill
+    (``w8-group-a8``), else the dtype it says a long call is dequantized to (float32 where the CPU
     emulates bf16); else the model's dtype (bfloat16 for vLLM's linears)."""
     talker = _process_of(served, "talker")
     if talker.get("talker.prefill", "").startswith("fp32 "):
         return "float32"
+    if "int8 activations for a long prefill" in talker.get("talker.int8", ""):
+        return INT8_PREFILL
     dequantized = re.search(r"dequantized to (bf16|float32)\b", talker.get("talker.int8", ""))
     if dequantized:
         return "float32" if dequantized.group(1) == "float32" else "bfloat16"
@@ -474,7 +495,7 @@ def cli(args: argparse.Namespace) -> int:
 
     from omni_cpu_fastpath.testing.checkpoint import make_model
 
-    from .floor import best_bandwidth, cpu_name, measure_bandwidth, measure_peak
+    from .floor import best_bandwidth, cpu_name, measure_bandwidth, measure_int8_peak, measure_peak
 
     concurrency = int(getattr(args, "concurrency", 1))
     try:
@@ -509,15 +530,25 @@ def cli(args: argparse.Namespace) -> int:
             tokens = r["summary"].get(step_stats.ENGINE_TOKENS)
             r["prefill_tokens"] = int(tokens["max"]) if tokens and tokens["count"] > 0 else 0
             r["prefill_dtype"] = prefill_dtype(r["served"])
-            prefill_peak = peaks.get(r["prefill_dtype"], peak)
+            if r["prefill_dtype"] == INT8_PREFILL and "int8" not in peaks:
+                int8_peak = measure_int8_peak()
+                if int8_peak is None:
+                    raise SystemExit(
+                        "omni-cpu-fastpath bench serve: the talker served int8 activations "
+                        "but the int8 GEMM does not run in this process"
+                    )
+                peaks["int8"] = int8_peak
+            prefill_gflops = prefill_peak_gflops(
+                config, r["prefill_dtype"], {name: p.best_gflops for name, p in peaks.items()}
+            )
             r["ttfa_floor_ms"] = ttfa_floor_ms(
                 config,
                 r["prefill_tokens"],
                 r["stages"],
                 concurrency,
-                prefill_peak.best_gflops,
+                prefill_gflops,
             )
-            r["prefill"] = prefill_row(config, r.pop("prompt_steps"), prefill_peak.best_gflops)
+            r["prefill"] = prefill_row(config, r.pop("prompt_steps"), prefill_gflops)
             r["counters"] = _counters(r.pop("summary"))
             r.pop("stats_dir")
             r.update(
@@ -529,6 +560,8 @@ def cli(args: argparse.Namespace) -> int:
                 peak_kernel=peak.kernel,
                 peak_bf16_gflops=peaks["bfloat16"].best_gflops,
             )
+            if "int8" in peaks:
+                r["peak_int8_gops"] = peaks["int8"].best_gflops
     if args.json:
         print(json.dumps(rows, indent=1))
         return 0
@@ -541,6 +574,7 @@ def cli(args: argparse.Namespace) -> int:
         f"servers: {', '.join(f'{p.best_gbs:.1f}' for p in probes)}), fp32 peak "
         f"{peak.best_gflops:.1f} GFLOP/s ({peak.kernel}), bf16 peak {peaks['bfloat16'].best_gflops:.1f} "
         f"GFLOP/s ({peaks['bfloat16'].kernel})"
+        + (f", int8 peak {peaks['int8'].best_gflops:.1f} GOP/s (talker prefill)" if "int8" in peaks else "")
     )
     head = ("rtf", "rtf_floor", "ttfa_ms", "sent_ms", "ttfa_floor", "prompt", "audio_s", "startup_s")
     print(f"{'impl':<6} " + " ".join(f"{h:>10}" for h in head))

@@ -48,8 +48,9 @@ TALKER_VARIANTS: dict[str, tuple[torch.dtype, str | None]] = {
     "w8-plain": (torch.bfloat16, "w8-plain"),
     "w8-channel": (torch.bfloat16, "w8-channel"),
     "w8-group": (torch.bfloat16, "w8-group"),
+    "w8-group-a8": (torch.bfloat16, "w8-group-a8"),
 }
-TALKER_PARITY_VARIANTS = ("bf16", "w8-plain", "w8-channel", "w8-group")
+TALKER_PARITY_VARIANTS = ("bf16", "w8-plain", "w8-channel", "w8-group", "w8-group-a8")
 TALKER_PARITY_PREFIX = "talker.parity"
 
 

@@ -39,12 +39,13 @@ TALKER_INT8_METHODS: dict[str, str] = {
     "w8-channel": "omni_cpu_talker_w8",
     "w8-plain": "omni_cpu_talker_w8_plain",
     "w8-group": "omni_cpu_talker_w8_group",
+    "w8-group-a8": "omni_cpu_talker_w8_group_a8",
 }
 # The scheme VLLM_OMNI_TALKER_INT8=auto serves where it can: the one the parity rule chose (README).
 AUTO_TALKER_INT8 = "w8-group"
 # Schemes whose linear method serves a graph traced once for every batch size (VLLM_OMNI_TALKER_COMPILE):
 # the row count is looked at inside one opaque op, not in the traced code.
-COMPILED_TALKER_INT8 = ("w8-group",)
+COMPILED_TALKER_INT8 = ("w8-group", "w8-group-a8")
 # VLLM_OMNI_TALKER_FP32_PREFILL's method (``qwen3_tts/quant/talker_fp32_prefill.py``), when int8 is off.
 TALKER_FP32_PREFILL_METHOD = "omni_cpu_talker_fp32_prefill"
 # VLLM_OMNI_TALKER_DECODE_GEMV's method: the same one with the prefill left in the model's dtype.

@@ -52,6 +52,11 @@ Activations are never quantized.
   where torch emulates bf16 (AVX2), whose GEMM then runs several times faster on the same exact
   products (an int8 weight times a bf16 scale is exact in float32), the output rounded to bf16 once.
   Where the kernel is off, every call dequantizes to bf16 (torch's multiply, the same bits).
+- ``w8-group-a8``: ``w8-group``, except that where it would dequantize a long prefill to float32,
+  the ``qkv_proj`` and ``gate_up_proj`` (the linears behind an RMSNorm) multiply int8 activations,
+  one scale per token, by a per-channel int8 copy of their weights (``int8_prefill.py``). Decode
+  rows are ``w8-group``'s. Elsewhere (native bf16, the kernel off, oneDNN unavailable) it is
+  ``w8-group``, and the served status says why.
 
 With ``VLLM_OMNI_TALKER_PARITY_CHECK=1`` each quantized layer also keeps its float weight as loaded,
 and inside :func:`reference_linears` serves it instead (the talker runs its decoder once that way
@@ -86,6 +91,8 @@ from omni_cpu_fastpath.serving.stage_settings import (
     TALKER_INT8_METHODS,
 )
 
+from . import int8_prefill
+from .int8_prefill import int8_prefill_linear, pack_prefill_weight
 from .modules import float_columns_product, outlier_channels, quantize_with_float_columns
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
@@ -142,10 +149,11 @@ class TalkerW8LinearMethod(LinearMethodBase):
 
     kernel = True
 
-    def __init__(self, float_columns: bool = True, group_size: int = 0) -> None:
+    def __init__(self, float_columns: bool = True, group_size: int = 0, int8_prefill: bool = False) -> None:
         super().__init__()
         self.float_columns = float_columns
         self.group_size = group_size  # 0: one scale per output row
+        self.int8_prefill = int8_prefill  # w8-group-a8: a long prefill through int8_prefill.py
 
     def create_weights(
         self,
@@ -191,6 +199,10 @@ class TalkerW8LinearMethod(LinearMethodBase):
         layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
         self.kernel = kernel_status() is None
         layer.cpu_gemv = cpu_gemv.wanted()  # decode steps of 1-8 rows: the package's kernel
+        # w8-group-a8: only the linears behind an RMSNorm (their rows normalized, their outlier
+        # columns kept float) take int8 activations; o_proj's and down_proj's inputs are heavy-tailed.
+        if self.int8_prefill and group and gain is not None and layer.cpu_gemv and not native_bf16_prefill():
+            pack_prefill_weight(q, w, cols)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # The reference runs eager (talker_parity.eager_decoder); a traced graph never reads it.
@@ -285,6 +297,11 @@ def _grouped_kernel(
     # inside, so one graph serves every batch size with the eager arithmetic.
     if x2.shape[0] <= GROUPED_KERNEL_MAX_ROWS or cpu_gemv.multiplies_bf16_natively():
         return cpu_gemv.gemv(x2, qweight, scales, float_cols=float_cols, float_weight=float_weight)
+    y = int8_prefill_linear(x2, qweight, float_cols)
+    if y is not None:
+        if float_cols is not None:
+            y = y + float_columns_product(x2, float_cols, float_weight).to(y.dtype)
+        return y
     dtype = long_prefill_dtype()
     xd = x2.to(dtype).contiguous()
     n = qweight.shape[0]
@@ -298,6 +315,11 @@ def _grouped_kernel(
     if float_cols is not None:
         y = y + float_columns_product(x2, float_cols, float_weight).to(y.dtype)
     return y
+
+
+def native_bf16_prefill() -> bool:
+    """Whether ``w8-group`` prefills in bf16 on this CPU (else it dequantizes to float32)."""
+    return long_prefill_dtype() is torch.bfloat16 or cpu_gemv.multiplies_bf16_natively()
 
 
 @functools.cache
@@ -356,6 +378,7 @@ class TalkerW8Config(QuantizationConfig):
     scheme = "w8-channel"
     float_columns = True
     group_size = 0
+    int8_prefill = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -382,7 +405,7 @@ class TalkerW8Config(QuantizationConfig):
         if not isinstance(layer, LinearBase):
             return None  # embeddings, the codec head, attention: their unquantized defaults
         if is_talker_decoder_linear(prefix):
-            return TalkerW8LinearMethod(float_columns=self.float_columns, group_size=self.group_size)
+            return TalkerW8LinearMethod(self.float_columns, self.group_size, self.int8_prefill)
         return UnquantizedLinearMethod()
 
 
@@ -401,11 +424,21 @@ class TalkerW8GroupConfig(TalkerW8Config):
     group_size = GROUP_SIZE
 
 
+class TalkerW8GroupA8Config(TalkerW8GroupConfig):
+    """``omni_cpu_talker_w8_group_a8`` (``w8-group-a8``): ``w8-group``, and where it would dequantize a
+    long prefill to float32, int8 activations against per-channel int8 weights instead
+    (``int8_prefill.py``)."""
+
+    scheme = "w8-group-a8"
+    int8_prefill = True
+
+
 # Method name -> config class, registered with vLLM by :func:`register`.
 CONFIGS: dict[str, type[QuantizationConfig]] = {
     W8_METHOD: TalkerW8Config,
     W8_PLAIN_METHOD: TalkerW8PlainConfig,
     W8_GROUP_METHOD: TalkerW8GroupConfig,
+    TALKER_INT8_METHODS["w8-group-a8"]: TalkerW8GroupA8Config,
 }
 
 
@@ -441,6 +474,8 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
             beyond = "bf16" if long_prefill_dtype() is torch.bfloat16 else "float32"
             rows = f"1-{GROUPED_KERNEL_MAX_ROWS} rows"
             kernel = f"{cpu_gemv.kernel_name()} for {rows}, dequantized to {beyond} beyond"
+        if quant_config.int8_prefill and cpu_gemv.wanted():
+            kernel += f"; {int8_prefill_status(model)}"
         cols = f", scales per {quant_config.group_size} input weights"
     else:
         why = kernel_status()
@@ -450,3 +485,20 @@ def served_status(model: nn.Module, quant_config: Any) -> str:
         cols = ""
     cols += ", outlier input columns fp32 from the RMSNorm gains" if quant_config.float_columns else ""
     return f"{quant_config.scheme} ({count} decoder linears{cols}, {kernel})"
+
+
+def int8_prefill_status(model: nn.Module) -> str:
+    """What ``w8-group-a8`` does with a long prefill here, for :func:`served_status` (recorded as
+    the talker is built, before its weights load: the linears behind an RMSNorm are packed as
+    they are quantized, once the talker's ``load_weights`` has handed them their gains; a server
+    started with ``--load-format dummy`` hands none and prefills as ``w8-group``)."""
+    if native_bf16_prefill():
+        return "no int8 prefill (the CPU multiplies bf16 natively)"
+    if int8_prefill.status() is not None:
+        return f"no int8 prefill ({int8_prefill.status()})"
+    gain_fed = sum(
+        isinstance(getattr(m, "quant_method", None), TalkerW8LinearMethod)
+        and name.endswith(("self_attn.qkv_proj", "mlp.gate_up_proj"))
+        for name, m in model.named_modules()
+    )
+    return f"int8 activations for a long prefill of {gain_fed} linears (oneDNN)"
