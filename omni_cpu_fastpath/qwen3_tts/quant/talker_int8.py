@@ -18,7 +18,7 @@ symmetric int8 per output channel (scale = row max / 127) and run ``aten._weight
 with bf16 activations (on AVX2 its fp32 path is 10-30x slower; bf16 keeps 8 mantissa bits
 whatever a channel's magnitude), output in the activation dtype (decode steps of 1-8 rows: the
 package's kernel, ``cpu_gemv.py``).
-Activations are never quantized.
+Activations are not quantized, except in ``w8-group-a8``'s long prefill (below).
 
 - ``w8-plain``: only that.
 - ``w8-channel``: as the predictor's ``w8-channel``, the input columns of outlier channels stay
