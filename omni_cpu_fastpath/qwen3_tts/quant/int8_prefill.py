@@ -45,13 +45,21 @@ ZERO_POINT = 64
 
 
 class PackedWeight:
-    """One layer's per-channel int8 weight in oneDNN's layout, with its float32 scales ``[N]``."""
+    """One layer's int8 weight ``[N, K]``, per output channel, in oneDNN's layout with its float32
+    scales ``[N]``."""
 
-    def __init__(self, packed: torch.Tensor, scales: torch.Tensor, shape: tuple[int, int]) -> None:
-        self.packed = packed
-        self.scales = scales
-        self.shape = shape
-        self.zero_points = torch.zeros(shape[0], dtype=torch.long)
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor) -> None:
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.scales = scales.to(torch.float32).contiguous()
+        self.shape = tuple(q.shape)
+        self.zero_points = torch.zeros(q.shape[0], dtype=torch.long)
+
+    def multiply(self, xq: torch.Tensor) -> torch.Tensor:
+        """``(xq - ZERO_POINT) @ q.T * scales`` in float32 (each row's own scale is the caller's)."""
+        return torch.ops.onednn.qlinear_pointwise(
+            xq, 1.0, ZERO_POINT, self.packed, self.scales, self.zero_points, None, 1.0, 0, torch.float32,
+            "none", [None], ""
+        )  # fmt: skip
 
 
 # data_ptr of a layer's w8-group int8 weight -> its packed per-channel copy.
@@ -77,24 +85,13 @@ def _self_check() -> str | None:
         x = torch.randint(-LEVELS, LEVELS + 1, (40, 256), generator=g)
         x[0] = LEVELS
         xq = (x + ZERO_POINT).to(torch.uint8)
-        y = _qlinear(xq, _pack(w), torch.ones(96, dtype=torch.float32), torch.zeros(96, dtype=torch.long))
+        y = PackedWeight(w, torch.ones(96)).multiply(xq)
     except Exception as exc:  # noqa: BLE001 - any failure means: keep the float32 prefill
         return f"oneDNN's int8 linear unavailable ({describe(exc)})"
     want = x.double() @ w.double().t()
     if not torch.equal(y.double(), want):
         return f"oneDNN's int8 linear off by up to {(y.double() - want).abs().max().item():g} from exact sums"
     return None
-
-
-def _pack(q: torch.Tensor) -> torch.Tensor:
-    return torch.ops.onednn.qlinear_prepack(q, None)
-
-
-def _qlinear(xq: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, zps: torch.Tensor) -> torch.Tensor:
-    # y = (xq - ZERO_POINT) @ q.T * scales in float32 (input scale 1: each row's own is applied after).
-    return torch.ops.onednn.qlinear_pointwise(
-        xq, 1.0, ZERO_POINT, packed, scales, zps, None, 1.0, 0, torch.float32, "none", [None], ""
-    )
 
 
 def pack_prefill_weight(qweight: torch.Tensor, weight: torch.Tensor, float_cols: torch.Tensor | None) -> bool:
@@ -107,7 +104,7 @@ def pack_prefill_weight(qweight: torch.Tensor, weight: torch.Tensor, float_cols:
         return False
     q, scales, _, _ = quantize_with_float_columns(weight, float_cols, 0)
     key = qweight.data_ptr()
-    _PACKED[key] = PackedWeight(_pack(q), scales.float().contiguous(), tuple(qweight.shape))
+    _PACKED[key] = PackedWeight(q, scales)
     weakref.finalize(qweight, _PACKED.pop, key, None)
     return True
 
@@ -141,5 +138,5 @@ def int8_prefill_linear(
     if packed is None:
         return None
     xq, row_scales = quantize_rows(x2, float_cols)
-    y = _qlinear(xq, packed.packed, packed.scales, packed.zero_points)
+    y = packed.multiply(xq)
     return y.mul_(row_scales[:, None]).to(x2.dtype)

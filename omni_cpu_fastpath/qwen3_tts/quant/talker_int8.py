@@ -92,7 +92,6 @@ from omni_cpu_fastpath.serving.stage_settings import (
 )
 
 from . import int8_prefill
-from .int8_prefill import int8_prefill_linear, pack_prefill_weight
 from .modules import float_columns_product, outlier_channels, quantize_with_float_columns
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
@@ -202,7 +201,7 @@ class TalkerW8LinearMethod(LinearMethodBase):
         # w8-group-a8: only the linears behind an RMSNorm (their rows normalized, their outlier
         # columns kept float) take int8 activations; o_proj's and down_proj's inputs are heavy-tailed.
         if self.int8_prefill and group and gain is not None and layer.cpu_gemv and not native_bf16_prefill():
-            pack_prefill_weight(q, w, cols)
+            int8_prefill.pack_prefill_weight(q, w, cols)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # The reference runs eager (talker_parity.eager_decoder); a traced graph never reads it.
@@ -297,7 +296,7 @@ def _grouped_kernel(
     # inside, so one graph serves every batch size with the eager arithmetic.
     if x2.shape[0] <= GROUPED_KERNEL_MAX_ROWS or cpu_gemv.multiplies_bf16_natively():
         return cpu_gemv.gemv(x2, qweight, scales, float_cols=float_cols, float_weight=float_weight)
-    y = int8_prefill_linear(x2, qweight, float_cols)
+    y = int8_prefill.int8_prefill_linear(x2, qweight, float_cols)
     if y is not None:
         if float_cols is not None:
             y = y + float_columns_product(x2, float_cols, float_weight).to(y.dtype)
