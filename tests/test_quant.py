@@ -216,6 +216,35 @@ def test_stock_and_cached_quantize_alike(tiny_stock, tiny_inputs, variant):
     torch.testing.assert_close(a, b, rtol=0, atol=tol * float(a.abs().max()))
 
 
+def test_offline_parity_runs_the_candidate_in_served_batches(tiny_outlier_model_dir, tiny_stock, monkeypatch):
+    """A served decode step holds at most the talker stage's max_num_seqs rows, where the few-row
+    kernel multiplies them: the offline table must measure those products, not the many-row GEMM
+    of all frames at once. 20 frames go as 8 + 8 + 4, each batch the candidate's own logits."""
+    from omni_cpu_fastpath.serving.stage_settings import QWEN3_TTS_STAGES
+
+    assert parity.SERVED_ROWS == QWEN3_TTS_STAGES[0].max_num_seqs == 8
+    reference = parity.build_variant(tiny_stock, "fp32")
+    candidate = parity.build_variant(tiny_stock, "w8-channel")
+    inputs = parity.make_inputs(tiny_outlier_model_dir, reference, 20, seed=2)
+    seen: list[int] = []
+    step = candidate.forward_static_step
+
+    def counted(x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        seen.append(x.shape[0])
+        return step(x, *rest)
+
+    monkeypatch.setattr(candidate, "forward_static_step", counted)
+    row = parity.measure_parity(reference, candidate, inputs)
+    assert row["frames"] == 20 and set(seen) == {8, 4} and seen.count(4) == candidate.num_steps
+    monkeypatch.undo()
+    args = _tf_args(inputs)
+    batched = torch.cat([parity.teacher_forced_logits(candidate, *(a[b] for a in args)) for b in
+                         (slice(0, 8), slice(8, 16), slice(16, 20))])  # fmt: skip
+    ref = parity.teacher_forced_logits(reference, *args)
+    want = parity.summarize_metrics(parity.parity_metrics(ref, batched))
+    assert {k: row[k] for k in want} == want
+
+
 def test_quantizing_twice_is_an_error(tiny_stock):
     cached = parity.build_variant(tiny_stock, "w8-channel")
     with pytest.raises(quant.QuantError, match="not nn.Linear"):

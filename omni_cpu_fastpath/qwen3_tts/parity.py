@@ -28,6 +28,7 @@ import torch.nn as nn
 from omni_cpu_fastpath import step_stats
 from omni_cpu_fastpath.qwen3_tts.predictor import CachedCodePredictor
 from omni_cpu_fastpath.qwen3_tts.quant import QuantError, config_for, quantize_predictor
+from omni_cpu_fastpath.serving.stage_settings import QWEN3_TTS_STAGES
 
 logger = logging.getLogger(f"vllm.{__name__}")  # under "vllm" so a server's log shows it
 
@@ -39,6 +40,8 @@ PARITY_PREFIX = "predictor.parity"
 # fidelity): top-1 at most 2 points below bf16's, KL at most 3x bf16's.
 DEFAULT_TOP1_SLACK = 0.02
 DEFAULT_KL_FACTOR = 3.0
+# Rows of a served decode step at most: the talker stage's max_num_seqs in the CPU deploy config.
+SERVED_ROWS = QWEN3_TTS_STAGES[0].max_num_seqs
 
 
 @torch.inference_mode()
@@ -261,7 +264,9 @@ def measure_parity(
     """Teacher-forced parity summary of ``candidate`` against ``reference`` over ``inputs``.
 
     ``per_row``: run the candidate one frame at a time (activation-quantized variants see batch-1
-    per-tensor scales, as in batch-1 serving).
+    per-tensor scales, as in batch-1 serving). Otherwise it runs in batches of at most
+    :data:`SERVED_ROWS` frames, as served decode steps do, so that the products are the ones that
+    serve them (the few-row kernel where it is on, not the many-row GEMM of one big batch).
     """
     args = (inputs.layer0_code, inputs.layer0_embed, inputs.last_talker_hidden, inputs.codes)
     ref = teacher_forced_logits(reference, *args)
@@ -279,7 +284,9 @@ def measure_parity(
         finally:
             torch.set_num_threads(prev)
     else:
-        cand = teacher_forced_logits(candidate, *args)
+        n = len(inputs.codes)
+        batches = [slice(i, i + SERVED_ROWS) for i in range(0, n, SERVED_ROWS)]
+        cand = torch.cat([teacher_forced_logits(candidate, *(a[b] for a in args)) for b in batches])
     out = summarize_metrics(parity_metrics(ref, cand))
     out["frames"] = len(inputs.codes)
     return out
