@@ -15,9 +15,7 @@
  * same order whatever its batch neighbours and the thread count, so batching never changes a row's
  * result (the order differs between the AVX2, AVX-512 and AVX512-BF16 paths, which one CPU always
  * takes the same way). Where the CPU has AVX512-BF16, bf16 activations skip the widening: see the
- * AVX512-BF16 path below. On AVX2, bf16 activations times int8 weights take integer products
- * instead, 16 weights per instruction, with the activations rounded to 16 bits per block of 64
- * (exact down to 1/256 of the block's largest): see quantize_row_i16.
+ * AVX512-BF16 path below.
  *
  *   gemv(x, x_bf16, rows, k, w, w_kind, ldw, n, scale, scale_bf16, y, y_bf16, threads, isa
  *        [, group[, side_x, side_w, side_c[, prefetch]]])
@@ -46,7 +44,6 @@
 #include <Python.h>
 
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -76,13 +73,6 @@ __attribute__((target("avx2,fma"))) static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-__attribute__((target("avx2,fma"))) static inline float hmax256(__m256 v) {
-    __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
 
@@ -207,103 +197,6 @@ DEFINE_KIND(avx2, i8, AVX2_OPS)
 DEFINE_KIND(avx2, bf16, AVX2_OPS)
 DEFINE_KIND_FOUR_SUMS(avx2x4, i8, AVX2_OPS)
 DEFINE_KIND_FOUR_SUMS(avx2x4, bf16, AVX2_OPS)
-
-/* AVX2, int8 weights, bf16 activations: integer dot products. Widening each weight to float32 (two
- * instructions per 8) and a multiply-add per 8 bound the float path on AVX2; here each row of x is
- * first turned into 16-bit integers, block by block of 64, with a power-of-two scale per block,
- * and vpmaddwd multiplies 16 int16 weights by 16 of them and adds pairs of products in one
- * instruction. A block's products and their sums are exact in int32 (at most 8 products per lane,
- * each below 2^22); each lane's sum is converted to float32 (rounded once), times the block's
- * scale (and its group scale), and added into one of two accumulators, even and odd blocks.
- *
- * A block whose largest |x| is below 2^E (and at least 2^(E - 1)) gets the scale 2^(E - 15), so
- * |x| / scale < 2^15: a bf16 x carries 8 significant bits, so every element down to 2^(E - 8),
- * the block's largest / 256, is an integer exactly; smaller ones are rounded to the nearest
- * multiple of the scale (ties to even), an error of at most 2^(E - 16): the one rounding this
- * path adds to x, bounded by cpu_gemv's check. Scales stop at 2^-149 (the smallest float32), where
- * every bf16 value is an integer multiple anyway. A block holding an infinity or a NaN gets a NaN
- * scale: its row's results are NaN. */
-#define I16_BLOCK 64
-
-/* Bytes of one row of x as this path reads it: k int16 values, then k / 64 float32 block scales,
- * the next row starting on a 64-byte line. */
-static inline size_t i16_row_bytes(Py_ssize_t k) {
-    return ((size_t)k * sizeof(int16_t) + (size_t)(k / I16_BLOCK) * sizeof(float) + 63) & ~(size_t)63;
-}
-
-/* One bf16 row of x (k a multiple of 64) into q: the int16 values, then the block scales. */
-__attribute__((target("avx2,fma"))) static void quantize_row_i16(const uint16_t *x, Py_ssize_t k, int16_t *q) {
-    float *scales = (float *)(q + k);
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    for (Py_ssize_t i = 0; i < k; i += I16_BLOCK) {
-        __m256 f[8], m = _mm256_setzero_ps();
-        for (int j = 0; j < 8; j++) {
-            __m128i h = _mm_loadu_si128((const __m128i *)(x + i + 8 * j));
-            f[j] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-            m = _mm256_max_ps(m, _mm256_and_ps(f[j], magnitude)); /* NaN or not: found apart below */
-        }
-        float largest = hmax256(m);
-        __m256i special = _mm256_setzero_si256(); /* an all-ones exponent: an infinity or a NaN */
-        for (int j = 0; j < 64; j += 16) {
-            __m256i e = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i + j)), _mm256_set1_epi16(0x7f80));
-            special = _mm256_or_si256(special, _mm256_cmpeq_epi16(e, _mm256_set1_epi16(0x7f80)));
-        }
-        const int nonfinite = !_mm256_testz_si256(special, special);
-        int e = 0;
-        frexpf(largest, &e); /* largest < 2^e; e = 0 for a block of zeros */
-        int s = e - 15 < -149 ? -149 : e - 15;
-        int up = -s < 127 ? -s : 127; /* 2^-s in two exact factors: it can exceed float32's range */
-        const __m256 c1 = _mm256_set1_ps(ldexpf(1.0f, up)), c2 = _mm256_set1_ps(ldexpf(1.0f, -s - up));
-        for (int j = 0; j < 8; j += 2) {
-            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(f[j], c1), c2));
-            __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(f[j + 1], c1), c2));
-            /* packs interleaves 128-bit lanes; the permute puts them back in order */
-            __m256i ab = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-            _mm256_storeu_si256((__m256i *)(q + i + 8 * j), ab);
-        }
-        scales[i / I16_BLOCK] = nonfinite ? NAN : ldexpf(1.0f, s);
-    }
-}
-
-/* One block of 64 weights (widened to int16 in wv) into row m's accumulator. */
-#define I16_BLOCK_INTO(ACC, XM, SM, I, G)                                                            \
-    do {                                                                                             \
-        __m256i s_ = _mm256_madd_epi16(wv[0], _mm256_loadu_si256((const __m256i *)((XM) + (I))));    \
-        for (int q_ = 1; q_ < 4; q_++)                                                               \
-            s_ = _mm256_add_epi32(                                                                   \
-                s_, _mm256_madd_epi16(wv[q_], _mm256_loadu_si256((const __m256i *)((XM) + (I) + 16 * q_)))); \
-        ACC = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s_), _mm256_set1_ps((SM)[(I) / I16_BLOCK] * (G)), ACC); \
-    } while (0)
-
-/* One output channel for R rows of x quantized by quantize_row_i16 (rows i16_row_bytes apart);
- * k is a multiple of 64, so are the groups of gs. */
-#define DEFINE_I16(R)                                                                                \
-    __attribute__((target("avx2,fma"))) static void avx2i16_group##R##_i8(                             \
-        const void *x, Py_ssize_t k, const void *w, const uint16_t *gs, Py_ssize_t group, float *acc) { \
-        const size_t stride = i16_row_bytes(k);                                                      \
-        __m256 a[R], b[R];                                                                           \
-        for (int m = 0; m < R; m++) a[m] = b[m] = _mm256_setzero_ps();                               \
-        for (Py_ssize_t i = 0; i < k; i += I16_BLOCK) {                                              \
-            __m256i wv[4];                                                                           \
-            for (int q = 0; q < 4; q++)                                                              \
-                wv[q] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const int8_t *)w + i + 16 * q))); \
-            const float g = gs ? bf16_to_float(gs[i / group]) : 1.0f;                                \
-            for (int m = 0; m < R; m++) {                                                            \
-                const int16_t *xm = (const int16_t *)((const char *)x + m * stride);                 \
-                const float *sm = (const float *)(xm + k);                                           \
-                if ((i / I16_BLOCK) % 2)                                                             \
-                    I16_BLOCK_INTO(b[m], xm, sm, i, g);                                              \
-                else                                                                                 \
-                    I16_BLOCK_INTO(a[m], xm, sm, i, g);                                              \
-            }                                                                                        \
-        }                                                                                            \
-        for (int m = 0; m < R; m++) acc[m] = hsum256(_mm256_add_ps(a[m], b[m]));                     \
-    }
-DEFINE_I16(1)
-DEFINE_I16(2)
-DEFINE_I16(3)
-DEFINE_I16(4)
-DEFINE_CHANNEL4(avx2i16, i8)
 DEFINE_KIND(avx512, i8, AVX512_OPS)
 DEFINE_KIND(avx512, bf16, AVX512_OPS)
 
@@ -674,13 +567,10 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     if (isa == 3 && !x_bf16) isa = 2; /* vdpbf16ps would round a float32 x */
     /* int8 with group scales on AVX512-BF16: dequantized to bf16 first (bf16dot_i8g). */
     const int dequant = isa == 3 && w_kind == 0 && group;
-    /* AVX2, int8 weights, bf16 x in whole blocks of 64: integer products (quantize_row_i16). */
-    const int int16_x = isa == 1 && w_kind == 0 && x_bf16 && k % I16_BLOCK == 0;
-    /* Other AVX2 without group scales: four sums per row, three rows at a time (DEFINE_KIND_FOUR_SUMS). */
+    /* AVX2 without group scales: four sums per row, three rows at a time (DEFINE_KIND_FOUR_SUMS). */
     static const channel_fn AVX2_FOUR_SUMS[2] = {avx2x4_i8, avx2x4_bf16};
-    const int four_sums = isa == 1 && !group && !int16_x;
+    const int four_sums = isa == 1 && !group;
     const channel_fn channel = dequant     ? bf16dot_i8g
-                               : int16_x   ? avx2i16_i8
                                : four_sums ? AVX2_FOUR_SUMS[w_kind]
                                            : CHANNELS[isa][w_kind];
     const int widen_once = isa == 3 && w_kind == 0 && rows > GROUP;
@@ -692,9 +582,8 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
     const uint16_t *xb = (const uint16_t *)(uintptr_t)x_addr;
     /* 64-byte aligned: a 512-bit load that straddles two cache lines costs two. */
     const size_t xsize = isa == 3 ? sizeof(uint16_t) : sizeof(float);
-    const size_t x_row_bytes = int16_x ? i16_row_bytes(k) : (size_t)k * xsize; /* in x as read */
     if (x_bf16 && !(isa == 3 && (w_kind == 1 || dequant))) {
-        copy = aligned_alloc(64, (x_row_bytes * (size_t)rows + 63) & ~(size_t)63);
+        copy = aligned_alloc(64, (xsize * (size_t)rows * (size_t)k + 63) & ~(size_t)63);
         if (!copy) return PyErr_NoMemory();
         x = copy;
     }
@@ -710,9 +599,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
 #pragma omp for schedule(static)
             for (int m = 0; m < rows; m++) {
                 const uint16_t *xm = xb + (Py_ssize_t)m * k;
-                if (int16_x)
-                    quantize_row_i16(xm, k, (int16_t *)((char *)copy + (size_t)m * x_row_bytes));
-                else if (isa == 3)
+                if (isa == 3)
                     permute64(xm, k, (uint16_t *)copy + (Py_ssize_t)m * k);
                 else
                     for (Py_ssize_t i = 0; i < k; i++) ((float *)copy)[(Py_ssize_t)m * k + i] = bf16_to_float(xm[i]);
@@ -736,7 +623,7 @@ static PyObject *gemv(PyObject *self, PyObject *args) {
                     widen_channels_i8((const int8_t *)w + j0 * ldw, ldw, k, j1 - j0, scratch);
                 for (int r = 0; r < rows; r += row_group) {
                     int g = rows - r < row_group ? rows - r : row_group;
-                    const char *xr = (const char *)x + (size_t)r * x_row_bytes;
+                    const char *xr = (const char *)x + (size_t)r * (size_t)k * xsize;
                     for (Py_ssize_t j = j0; j < j1;) {
                         /* The scratch holds bf16 weights, any group scales applied: no scales there. */
                         if (scratch && g == GROUP && j + PACK_CH <= j1) {

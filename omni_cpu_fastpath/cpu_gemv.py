@@ -8,10 +8,7 @@ for bf16 ``x``; ``VLLM_OMNI_CPU_GEMV_ISA`` caps it), where torch's kernels for t
 far above the weight-streaming floor (ATen's ``_weight_int8pack_mm`` vectorizes only with AVX-512
 and widens every weight to float32; bf16 products are emulated without AVX512-BF16). Products are
 exact in float32; only the summation order differs from torch's, and a row's result does not depend
-on its batch neighbours, the row count or the thread count. On AVX2, bf16 activations times int8
-weights are multiplied as 16-bit integers (:func:`rounds_activations`): each block of 64 of a row
-scaled by a power of two, exact down to 1/256 of the block's largest value, smaller values rounded
-to within :func:`activation_rounding`, every block's sum exact in int32. With AVX512-BF16 it also serves a
+on its batch neighbours, the row count or the thread count. With AVX512-BF16 it also serves a
 prompt's many rows of int8 weights near a GEMM's speed (each block of weights widened to bf16 once
 for all rows), so such a layer can sum every row the same way from decode to prefill; there int8
 weights with group scales are rounded to bf16 with their scales first (:func:`dequantizes_groups`),
@@ -295,31 +292,13 @@ def dequantizes_groups(isa: int, x_dtype: torch.dtype) -> bool:
     return isa == _ISA_CAPS["auto"] and x_dtype is torch.bfloat16
 
 
-def rounds_activations(isa: int, x_dtype: torch.dtype, w_dtype: torch.dtype, k: int) -> bool:
-    """Whether the kernel, in instruction set ``isa``, multiplies rows of ``x_dtype`` by weights of
-    ``w_dtype`` as 16-bit integers, rounding the smallest activations (:func:`activation_rounding`):
-    AVX2 with bf16 activations, int8 weights and ``k`` a multiple of 64. There one instruction
-    multiplies 16 weights and adds pairs, where widening each to float32 took two per 8."""
-    return isa == _ISA_CAPS["avx2"] and x_dtype is torch.bfloat16 and w_dtype is torch.int8 and k % 64 == 0
-
-
-def activation_rounding(x: torch.Tensor) -> torch.Tensor:
-    """The most the 16-bit activations of :func:`rounds_activations` can be off each element of
-    ``x [rows, k]``, in float64: a block of 64 whose largest magnitude is below ``2^E`` is scaled
-    by ``2^(E - 15)`` (at least ``2^-149``) and rounded to integers, so by at most half that."""
-    blocks = x.double().abs().view(x.shape[0], -1, 64).amax(-1)
-    exponent = torch.frexp(blocks).exponent.double()
-    half_step = torch.exp2((exponent - 15).clamp(min=-149) - 1)
-    return half_step.repeat_interleave(64, dim=1)
-
-
 def _self_check(ext: Any) -> str | None:
     """None when the kernel matches a float64 product on odd shapes, in every instruction set this
     CPU runs, per-row and group scales, else what differed."""
     g = torch.Generator().manual_seed(0)
     f32 = torch.float32  # explicit: vLLM loads a model under its dtype as torch's default
     isas = range(ext.simd()[0] + 1)
-    for rows, k, n in ((1, 1037, 70), (3, 64, 33), (8, 200, 17), (13, 136, 19), (5, 1024, 9)):
+    for rows, k, n in ((1, 1037, 70), (3, 64, 33), (8, 200, 17), (13, 136, 19)):
         s = torch.rand(n, generator=g, dtype=f32) / 100
         int8 = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
         int8[0, :3] = torch.tensor([-128, 0, 127], dtype=torch.int8)  # the edges of the bf16 lookup
@@ -395,8 +374,6 @@ def _mismatch(
     terms += 2 * xs.shape[1]
     magnitude = x.double().abs() @ wd.abs().T + xs.double().abs() @ ws.double().abs().T
     bound = terms * 2.0**-24 * magnitude + 1e-30
-    if rounds_activations(isa, x.dtype, w.dtype, k):
-        bound = bound + activation_rounding(x) @ wd.abs().T
     if bool(((y.double() - ref).abs() <= bound).all()):
         return None
     err = (y.double() - ref).abs().max().item()
