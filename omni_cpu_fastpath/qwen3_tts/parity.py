@@ -270,25 +270,17 @@ def measure_parity(
     """
     args = (inputs.layer0_code, inputs.layer0_embed, inputs.last_talker_hidden, inputs.codes)
     ref = teacher_forced_logits(reference, *args)
-    if per_row:
-        # One thread: on a busy machine, thread sync of many tiny one-row calls costs more than the math.
-        prev = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            cand = torch.cat(
-                [
-                    teacher_forced_logits(candidate, *(a[i : i + 1] for a in args))
-                    for i in range(len(inputs.codes))
-                ]
-            )
-        finally:
-            torch.set_num_threads(prev)
-    else:
-        n = len(inputs.codes)
-        batches = [slice(i, i + SERVED_ROWS) for i in range(0, n, SERVED_ROWS)]
+    n, rows = len(inputs.codes), 1 if per_row else SERVED_ROWS
+    # One thread for one-row calls: on a busy machine their thread sync costs more than the math.
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1 if per_row else prev)
+    try:
+        batches = [slice(i, i + rows) for i in range(0, n, rows)]
         cand = torch.cat([teacher_forced_logits(candidate, *(a[b] for a in args)) for b in batches])
+    finally:
+        torch.set_num_threads(prev)
     out = summarize_metrics(parity_metrics(ref, cand))
-    out["frames"] = len(inputs.codes)
+    out["frames"] = n
     return out
 
 
